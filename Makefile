@@ -1,0 +1,29 @@
+# The course's two contracts: `make lab` (or the headless `make demo`) starts the course, `make test` checks all of it.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: lab demo test lint clean
+
+# (Re)create the virtual environment whenever the pinned dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[lab,test]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+demo: $(STAMP)
+	$(BIN)/python -m course_lib demo --plot demo_out
+
+lint: $(STAMP)
+	$(BIN)/ruff check course_lib tests benchmarks
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider notebooks
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache

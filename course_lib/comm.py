@@ -1,0 +1,265 @@
+"""The comm ledger: every collective of the course goes through this thin layer and is recorded.
+
+Each call records its op, group (the axis name), the tensor's size S in bytes, the bytes this rank puts on the
+wire under the ring algorithm as NCCL's performance notes count them ("bus bytes"), its wall start and end, and the
+tags in force (step, phase, layer, microbatch). The ring factors, for a group of n ranks:
+
+=================  ===============  ==========================================
+op                 bytes sent       S is
+=================  ===============  ==========================================
+all_reduce         2(n-1)/n * S     the tensor reduced
+reduce_scatter     (n-1)/n * S      the full (unscattered) input
+all_gather         (n-1)/n * S      the full (gathered) output
+all_to_all         (n-1)/n * S      the input (exactly: the rows sent to others)
+broadcast          S                the tensor (NCCL counts S for every rank)
+send / recv        S / 0            the message
+=================  ===============  ==========================================
+
+(Patarasuk & Yuan 2009 for the ring all-reduce; NCCL-tests "PERFORMANCE.md" for bus bandwidth.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from course_lib import trace
+
+ReduceOp = dist.ReduceOp
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes a rank sends per byte of S for ``op`` in a group of ``n`` ranks (see the module table)."""
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": 1.0 if n > 1 else 0.0,
+        "send": 1.0,
+        "recv": 0.0,
+        "barrier": 0.0,
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
+    return factors[op]
+
+
+@dataclass
+class CommRecord:
+    """One collective or point-to-point call on one rank."""
+
+    op: str
+    group: str
+    group_size: int
+    tensor_bytes: int
+    sent_bytes: float
+    start: float
+    end: float
+    async_op: bool = False
+    peer: int | None = None
+    tags: dict = field(default_factory=dict)
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.status_sink: Callable[[str], None] | None = None
+
+
+_LEDGER = _Ledger()
+_GROUP_NAMES: dict = {}
+
+
+def reset() -> None:
+    """Forget this rank's records (the launcher calls it when a rank starts)."""
+    _LEDGER.records = []
+
+
+def records() -> list[CommRecord]:
+    """This rank's comm records so far, in call order."""
+    return list(_LEDGER.records)
+
+
+def set_status_sink(sink: Callable[[str], None] | None) -> None:
+    """Have ``sink`` told, in words, which collective this rank enters and leaves (the launcher's hang report)."""
+    _LEDGER.status_sink = sink
+
+
+def new_group(ranks: Sequence[int], name: str) -> dist.ProcessGroup:
+    """A process group over ``ranks`` whose records carry the axis ``name`` (every rank must call it)."""
+    group = dist.new_group(list(ranks))
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        _GROUP_NAMES[group] = name
+    return group
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return _GROUP_NAMES.get(group, "group")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Handle:
+    """An async collective in flight; :meth:`wait` blocks until it is done and closes its ledger record."""
+
+    def __init__(self, work, record: CommRecord, describe: str) -> None:
+        self._work = work
+        self._record = record
+        self._describe = describe
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        _tell(f"waiting for {self._describe}")
+        self._work.wait()
+        _finish(self._record, self._describe)
+        self._done = True
+
+
+def _tell(status: str) -> None:
+    if _LEDGER.status_sink is not None:
+        _LEDGER.status_sink(status)
+
+
+def _finish(rec: CommRecord, describe: str) -> None:
+    rec.end = trace.now()
+    trace.record("comm", rec.op, rec.start, rec.end, group=rec.group, bytes=rec.sent_bytes)
+    _tell(f"finished {describe}")
+
+
+def _call(
+    op: str,
+    group: dist.ProcessGroup | None,
+    tensor_bytes: int,
+    issue: Callable[[], object],
+    async_op: bool,
+    peer: int | None = None,
+    sent_bytes: float | None = None,
+) -> Handle | None:
+    n = dist.get_world_size(group)
+    rec = CommRecord(
+        op=op,
+        group=group_name(group),
+        group_size=n,
+        tensor_bytes=tensor_bytes,
+        sent_bytes=ring_factor(op, n) * tensor_bytes if sent_bytes is None else sent_bytes,
+        start=trace.now(),
+        end=float("nan"),
+        async_op=async_op,
+        peer=peer,
+        tags=trace.current_tags(),
+    )
+    _LEDGER.records.append(rec)
+    where = f" with rank {peer}" if peer is not None else ""
+    describe = f"{op} #{len(_LEDGER.records)} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
+    _tell(f"in {describe}")
+    work = issue()
+    if async_op:
+        return Handle(work, rec, describe)
+    _finish(rec, describe)
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Handle | None:
+    """Reduce ``tensor`` over the group, in place, on every rank."""
+    return _call("all_reduce", group, _nbytes(tensor), lambda: dist.all_reduce(tensor, op, group, async_op), async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+) -> Handle | None:
+    """Reduce ``input`` (n equal chunks along dim 0) over the group; rank i keeps chunk i in ``output``."""
+    return _call(
+        "reduce_scatter",
+        group,
+        _nbytes(input),
+        lambda: dist.reduce_scatter_single(output, input, op, group, async_op),
+        async_op,
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
+    """Concatenate every rank's ``input`` along dim 0 into ``output`` on every rank."""
+    return _call(
+        "all_gather", group, _nbytes(output), lambda: dist.all_gather_single(output, input, group, async_op), async_op
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    return _call("broadcast", group, _nbytes(tensor), lambda: dist.broadcast(tensor, src, group, async_op), async_op)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group=None,
+    async_op: bool = False,
+) -> Handle | None:
+    """Rank i sends its j-th slice of ``input`` (dim 0) to rank j; uneven slices via the split sizes."""
+    n = dist.get_world_size(group)
+    rows = input.shape[0] if input.dim() else 1
+    row_bytes = _nbytes(input) // rows if rows else 0
+    me = dist.get_rank(group)
+    kept_rows = input_split_sizes[me] if input_split_sizes is not None else rows // n
+    return _call(
+        "all_to_all",
+        group,
+        _nbytes(input),
+        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op),
+        async_op,
+        sent_bytes=float((rows - kept_rows) * row_bytes),
+    )
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking)."""
+    _call("send", group, _nbytes(tensor), lambda: dist.send(tensor, dst, group), False, peer=dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    _call("recv", group, _nbytes(tensor), lambda: dist.recv(tensor, src, group), False, peer=src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None) -> Handle:
+    """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing the tensor."""
+    return _call("send", group, _nbytes(tensor), lambda: dist.isend(tensor, dst, group), True, peer=dst)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None) -> Handle:
+    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` the handle before reading it."""
+    return _call("recv", group, _nbytes(tensor), lambda: dist.irecv(tensor, src, group), True, peer=src)
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of the group gets here."""
+    _call("barrier", group, 0, lambda: dist.barrier(group), False)
+
+
+def summarize(recs: Iterable[CommRecord], by: str = "op") -> dict:
+    """Calls, sent bytes and tensor bytes per ``by`` key: ``"op"``, ``"group"`` or a tag name such as ``"step"``."""
+    out: dict = defaultdict(lambda: {"calls": 0, "bytes": 0.0, "tensor_bytes": 0})
+    for r in recs:
+        key = getattr(r, by) if by in ("op", "group") else r.tags.get(by)
+        out[key]["calls"] += 1
+        out[key]["bytes"] += r.sent_bytes
+        out[key]["tensor_bytes"] += r.tensor_bytes
+    return dict(out)
+
+
+def wall_time_s(recs: Iterable[CommRecord]) -> float:
+    """Total wall seconds spent inside the given calls (issue to completion)."""
+    return sum(r.end - r.start for r in recs)

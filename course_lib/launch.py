@@ -1,0 +1,411 @@
+"""Run one Python function on N real ``torch.distributed`` ranks and get back what each rank did.
+
+``run(fn, world_size, *args, **kwargs)`` calls ``fn(*args, **kwargs)`` on every rank once the process group is up
+and returns the per-rank return values in rank order (a :class:`RunResult`, a list that also carries each rank's
+comm ledger and timeline). Inside ``fn`` a rank asks ``torch.distributed`` for its rank and :func:`rank_device`
+for its device.
+
+* From a notebook cell, pytest or a script: one local process per rank, started by a *forkserver* whose server has
+  torch, torch.distributed and course_lib imported already (a launch costs about a second the first time and a
+  fraction of one after). The function travels with cloudpickle, so a function defined in a notebook cell works.
+  The processes meet at a TCP store that this process hosts on 127.0.0.1 (the OS picks a free port, so two runs
+  never collide). Each rank uses ``max(1, cores // world_size)`` threads. Backend: gloo on CPU, NCCL when CUDA
+  has at least ``world_size`` devices (rank r on ``cuda:r``).
+* Under torchrun (RANK and WORLD_SIZE set) ``fn`` runs in place on this rank and the results of all ranks are
+  gathered, so the same rank function serves notebooks, tests and multi-node GPU jobs.
+
+Failures become a :class:`RankError` in the caller: a rank that raises (with its traceback), a rank that dies
+without reporting (its exit code), and a run that outlives ``timeout`` (naming the ranks that did not finish and
+the collective each was last in). Every child process is reaped in all cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from course_lib import comm, trace
+
+STATUS_BYTES = 240
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.optim",
+    "course_lib",
+    "course_lib.launch",
+    "course_lib.models",
+    "course_lib.memory",
+]
+_COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or hung; the message names the ranks and what each was doing."""
+
+
+class RunResult(list):
+    """The per-rank return values in rank order, with each rank's ledger attached.
+
+    ``comm[r]`` is rank r's list of :class:`course_lib.comm.CommRecord`, ``events[r]`` its timeline
+    (:class:`course_lib.trace.Event`), ``wall_s`` the seconds from launch to the last result.
+    """
+
+    def __init__(self, values, comm_records, events, backend: str, wall_s: float) -> None:
+        super().__init__(values)
+        self.comm = comm_records
+        self.events = events
+        self.backend = backend
+        self.world_size = len(values)
+        self.wall_s = wall_s
+
+
+@dataclass
+class _RankState:
+    """What the launching process learned about one rank."""
+
+    process: mp.process.BaseProcess
+    conn: object
+    result: tuple | None = None
+    error: tuple | None = None  # (type name, message, traceback text, pickled exception or None)
+    exit_note: str | None = None
+
+
+_DEVICE = torch.device("cpu")
+_IN_RANK = False
+_FORKSERVER_LOCK = threading.Lock()
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on (``cuda:<local rank>`` under NCCL, else CPU)."""
+    return _DEVICE
+
+
+def sync(device: torch.device) -> None:
+    """Wait until the device has finished its queued work (a no-op on CPU); call it before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``auto`` becomes nccl when CUDA has one device per rank, else gloo; an impossible choice is an error."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend 'nccl' needs one CUDA device per rank: world_size={world_size} but this machine has {gpus}. "
+            "Use backend='gloo' (CPU ranks) or a smaller world_size."
+        )
+    return backend
+
+
+def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0, **kwargs) -> RunResult:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their values in rank order.
+
+    ``timeout`` (seconds) bounds the whole run: a rank still running then is reported and killed.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+    if _IN_RANK:
+        raise RuntimeError("run() was called inside a rank function; launch ranks from the top level only")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+    return _run_local(fn, world_size, args, kwargs, resolve_backend(backend, world_size), timeout)
+
+
+# ----------------------------------------------------------------------------------------------- torchrun
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
+    global _DEVICE
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world_size:
+        raise ValueError(
+            f"run(..., world_size={world_size}) under torchrun with WORLD_SIZE={env_world}: "
+            f"start torchrun with --nproc-per-node x --nnodes = {world_size}, or pass world_size={env_world}"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        _DEVICE = torch.device("cuda", local_rank)
+        torch.cuda.set_device(_DEVICE)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    started = time.perf_counter()
+    trace.reset(dist.get_rank(), started)
+    comm.reset()
+    value = fn(*args, **kwargs)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (value, comm.records(), trace.events()))
+    values, records, events = (list(x) for x in zip(*gathered, strict=True))
+    return RunResult(values, records, events, backend, time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------------------------- local ranks
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    with _FORKSERVER_LOCK:
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _payload(fn, args, kwargs) -> bytes:
+    """cloudpickle ``fn`` and its arguments; code outside installed packages travels by value."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"
+        and not module.__name__.startswith("course_lib")
+        and not (getattr(module, "__file__", None) or "").startswith(sys.prefix)
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _run_local(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
+    ctx = _context()
+    payload = _payload(fn, args, kwargs)
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    status = ctx.Array(ctypes.c_char, STATUS_BYTES * world_size, lock=False)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // world_size)
+    epoch = time.perf_counter()
+    ranks: list[_RankState] = []
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, store.port, payload, child_conn, status, backend, timeout, epoch, threads),
+                name=f"course_lib-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            ranks.append(_RankState(process, parent_conn))
+        _collect(ranks, epoch + timeout, timeout, status)
+    finally:
+        _reap(ranks)
+        del store
+    values, records, events = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
+    return RunResult(list(values), list(records), list(events), backend, time.perf_counter() - epoch)
+
+
+def _collect(ranks: list[_RankState], deadline: float, timeout: float, status) -> None:
+    """Read every rank's messages until all have reported; raise RankError on the first failure."""
+    pending = set(range(len(ranks)))
+    while pending:
+        waitables = {ranks[r].conn: r for r in pending} | {ranks[r].process.sentinel: r for r in pending}
+        ready = wait(list(waitables), timeout=max(0.0, deadline - time.perf_counter()))
+        if not ready:
+            raise RankError(_timeout_message(ranks, pending, timeout, status))
+        for obj in ready:
+            r = waitables[obj]
+            if r in pending and _drain(ranks[r], r):
+                pending.discard(r)
+        failed = [r for r, s in enumerate(ranks) if s.error or s.exit_note]
+        if failed:
+            # Let the other ranks' reports that are already on their way arrive, then name the root cause.
+            time.sleep(0.2)
+            for r in list(pending):
+                _drain(ranks[r], r)
+            raise _failure(ranks, status)
+
+
+def _drain(state: _RankState, rank: int) -> bool:
+    """Read what rank ``rank`` sent; True once it has reported a result or an error, or has died."""
+    try:
+        while state.conn.poll():
+            kind, body = state.conn.recv()
+            if kind == "out":
+                print(body, end="")
+            elif kind == "ok":
+                state.result = (body,)
+                return True
+            else:
+                state.error = body
+                return True
+    except (EOFError, OSError):
+        pass
+    if not state.process.is_alive():
+        state.process.join()
+        if state.result is None and state.error is None:
+            state.exit_note = _describe_exit(state.process.exitcode)
+        return True
+    return False
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code} without returning a result"
+
+
+def _status_of(status, rank: int) -> str:
+    raw = bytes(status[rank * STATUS_BYTES : (rank + 1) * STATUS_BYTES]).split(b"\0", 1)[0]
+    return raw.decode(errors="replace") or "no collective yet"
+
+
+def _is_comm_error(state: _RankState) -> bool:
+    return bool(state.error) and any(m in state.error[1] for m in _COMM_ERROR_MARKERS)
+
+
+def _failure(ranks: list[_RankState], status) -> RankError:
+    """Pick the root cause (a rank's own exception over a peer's broken connection) and describe every rank."""
+    n = len(ranks)
+    order = sorted(
+        (r for r, s in enumerate(ranks) if s.error or s.exit_note),
+        key=lambda r: (_is_comm_error(ranks[r]), ranks[r].error is None, r),
+    )
+    root = order[0]
+    state = ranks[root]
+    if state.error:
+        type_name, message, tb, pickled = state.error
+        head = f"rank {root} of {n} raised {type_name}: {message}\n\n--- traceback of rank {root} ---\n{tb}"
+    else:
+        pickled = None
+        head = f"rank {root} of {n} {state.exit_note} (last: {_status_of(status, root)})"
+    others = []
+    for r, s in enumerate(ranks):
+        if r == root:
+            continue
+        if s.result:
+            what = "finished"
+        elif s.error:
+            what = f"raised {s.error[0]}: {s.error[1].splitlines()[0] if s.error[1] else ''}"
+        elif s.exit_note:
+            what = s.exit_note
+        else:
+            what = "stopped by the launcher"
+        others.append(f"rank {r}: {what} (last: {_status_of(status, r)})")
+    error = RankError(head + ("\nother ranks:\n  " + "\n  ".join(others) if others else ""))
+    if pickled is not None:
+        with contextlib.suppress(Exception):
+            error.__cause__ = cloudpickle.loads(pickled)
+    return error
+
+
+def _timeout_message(ranks: list[_RankState], pending: set[int], timeout: float, status) -> str:
+    waiting = {r for r in pending if _status_of(status, r).startswith(("in ", "waiting for "))}
+    lines = [f"the run did not finish within timeout={timeout:g} s:"]
+    for r in range(len(ranks)):
+        if r not in pending:
+            lines.append(f"  rank {r}: finished")
+        elif r in waiting:
+            lines.append(f"  rank {r}: waiting, {_status_of(status, r)}")
+        else:
+            lines.append(f"  rank {r}: busy outside any collective (last: {_status_of(status, r)})")
+    if pending - waiting and waiting:
+        lines.append(
+            f"Ranks {sorted(waiting)} wait in a collective that ranks {sorted(pending - waiting)} never reach."
+        )
+    lines.append("If the work is simply slow, pass a larger timeout= to run().")
+    return "\n".join(lines)
+
+
+def _reap(ranks: list[_RankState]) -> None:
+    """Stop and join every child that is still alive; close the pipes."""
+    for state in ranks:
+        if state.process.is_alive():
+            state.process.terminate()
+    for state in ranks:
+        state.process.join(timeout=2.0)
+        if state.process.is_alive():
+            state.process.kill()
+            state.process.join()
+        state.conn.close()
+
+
+# ----------------------------------------------------------------------------------------------- in the child
+class _PipeWriter(io.TextIOBase):
+    """Forwards a rank's prints to the launching process, line by line, prefixed with the rank."""
+
+    def __init__(self, conn, rank: int, lock: threading.Lock) -> None:
+        self._conn, self._prefix, self._lock, self._buffer = conn, f"[rank {rank}] ", lock, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._buffer += text
+        if "\n" in self._buffer:
+            complete, self._buffer = self._buffer.rsplit("\n", 1)
+            self._send(complete + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            self._send(self._buffer + "\n")
+            self._buffer = ""
+
+    def _send(self, text: str) -> None:
+        lines = "".join(self._prefix + line for line in text.splitlines(keepends=True))
+        with self._lock:
+            self._conn.send(("out", lines))
+
+
+def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, epoch, threads) -> None:
+    global _DEVICE, _IN_RANK
+    _IN_RANK = True
+    lock = threading.Lock()
+    sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
+    torch.set_num_threads(threads)
+
+    def tell(text: str) -> None:
+        status[rank * STATUS_BYTES : (rank + 1) * STATUS_BYTES] = text.encode()[: STATUS_BYTES - 1].ljust(
+            STATUS_BYTES, b"\0"
+        )
+
+    try:
+        if backend == "nccl":
+            _DEVICE = torch.device("cuda", rank)
+            torch.cuda.set_device(_DEVICE)
+        # The launcher's deadline, not gloo's, decides when a hang is reported, so the collectives wait longer.
+        pg_timeout = timedelta(seconds=timeout + 30)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=pg_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        trace.reset(rank, epoch)
+        comm.reset()
+        comm.set_status_sink(tell)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        value = fn(*args, **kwargs)
+        sys.stdout.flush()
+        body = cloudpickle.dumps((value, comm.records(), trace.events()))
+        with lock:
+            conn.send(("ok", body))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+        sys.stdout.flush()
+        try:
+            pickled = cloudpickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+            pickled = None
+        with lock:
+            conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc(), pickled)))
+        conn.close()
+        os._exit(1)

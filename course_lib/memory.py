@@ -1,0 +1,280 @@
+"""The memory ledger: what each rank holds, measured by category, beside the formulas that predict it.
+
+Measured (:class:`MemoryMeter`), deduplicated by storage so a tied or viewed tensor counts once:
+
+* ``params``, ``grads``, ``optimizer``: the unique storages of the model's parameters, their ``.grad`` and the
+  optimizer's state tensors.
+* ``activations``: tensors that autograd saves for backward (``saved_tensors_hooks``), parameters excluded; the
+  meter keeps the live total and its peak (a saved tensor stops counting when its graph frees it).
+* ``peak``: the most bytes ever live at once, from a ``TorchDispatchMode`` that sees every storage an operator
+  creates and a weak reference that sees it freed (on CPU there are no allocator statistics; on CUDA the
+  allocator's own ``max_memory_allocated`` is reported beside it as ``cuda_peak``).
+
+Predicted: bytes per parameter (fp32 Adam 4+4+8 = 16; mixed precision 2+2+12 = 16), divided by ZeRO stage over D
+data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3) and by tensor and pipeline parallel degrees, and activation
+bytes per transformer layer (Korthikanti et al. 2022, §4, Table 2), plus the exact count for our tiny GPT.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+BYTES_PER_PARAM = {
+    # fp32 Adam: fp32 weights, fp32 grads, fp32 first and second moments.
+    "fp32": {"params": 4, "grads": 4, "optimizer": 8},
+    # Mixed precision Adam (ZeRO §3.1): fp16/bf16 weights and grads; fp32 master weights, momentum and variance.
+    "mixed": {"params": 2, "grads": 2, "optimizer": 12},
+}
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def _unique_bytes(tensors) -> int:
+    return sum(n for _, n in {_storage_key(t) for t in tensors if isinstance(t, torch.Tensor)})
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Measured bytes of the model's parameters, gradients and optimizer state, each storage counted once."""
+    params = list(model.parameters())
+    return {
+        "params": _unique_bytes(params),
+        "grads": _unique_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _unique_bytes(optimizer_tensors(optimizer)),
+    }
+
+
+@dataclass
+class MemoryReport:
+    """One rank's memory by category, in bytes."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations_peak: int
+    peak: int
+    cuda_peak: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Measure live storage bytes and saved activations while the ``with`` body runs.
+
+    Storages that exist when the meter starts and belong to ``model``/``optimizer`` (or are passed in ``extra``)
+    count as live from the start; everything an operator creates inside counts from its creation to its free.
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer=None, extra=(), device=None) -> None:
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self.device = torch.device(device) if device is not None else None
+        params = list(model.parameters()) if model is not None else []
+        self._param_keys = {_storage_key(p) for p in params}
+        grads = [p.grad for p in params if p.grad is not None]
+        self._initial = params + grads + optimizer_tensors(optimizer) + list(extra)
+        self._live: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self._saved: dict[tuple[int, int], int] = {}
+        self.activations = 0
+        self.activations_peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # -- live storages -------------------------------------------------------------------------------------
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:
+            return
+        self._live[key] = st.nbytes()
+        self.live += st.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage()._cdata for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage()._cdata not in inputs:
+                self._track(t)
+        return out
+
+    # -- saved activations ---------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key in self._param_keys:
+            return t
+        if self._saved.get(key, 0) == 0:
+            self.activations += key[1]
+            self.activations_peak = max(self.activations_peak, self.activations)
+        self._saved[key] = self._saved.get(key, 0) + 1
+        return _SavedRef(t, key, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _SavedRef) else packed
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._saved[key] -= 1
+        if self._saved[key] == 0:
+            self.activations -= key[1]
+
+    # -- context -------------------------------------------------------------------------------------------
+    def __enter__(self):
+        for t in self._initial:
+            self._track(t)
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        return result
+
+    def report(self) -> MemoryReport:
+        """Model-state bytes now, and the peaks seen while the meter ran."""
+        state = (
+            model_state_bytes(self.model, self.optimizer) if self.model is not None else dict.fromkeys(CATEGORIES, 0)
+        )
+        cuda_peak = None
+        if self.device is not None and self.device.type == "cuda":
+            cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        return MemoryReport(**state, activations_peak=self.activations_peak, peak=self.peak, cuda_peak=cuda_peak)
+
+
+class _SavedRef:
+    """What the graph keeps for a saved tensor; when the graph lets go of it, the activation stops counting."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], meter: MemoryMeter) -> None:
+        self.tensor = tensor
+        weakref.finalize(self, meter._release, key)
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+def model_state_formula(
+    params: float, precision: str = "fp32", zero: int = 0, dp: int = 1, tp: int = 1, pp: int = 1
+) -> dict[str, float]:
+    """Predicted model-state bytes per device for ``params`` parameters.
+
+    Tensor and pipeline parallelism split every parameter tensor over ``tp * pp`` devices; ZeRO then divides, over
+    the ``dp`` data-parallel ranks, the optimizer state (stage 1, P_os), also the gradients (stage 2, P_os+g) and
+    also the parameters (stage 3, P_os+g+p) — Rajbhandari et al. 2020, §5.1 and Figure 1.
+    """
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, not {precision!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
+    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if degree < 1:
+            raise ValueError(f"{name} must be at least 1, not {degree}")
+    per_rank = params / (tp * pp)
+    sharded = {"optimizer": zero >= 1, "grads": zero >= 2, "params": zero >= 3}
+    return {cat: BYTES_PER_PARAM[precision][cat] * per_rank / (dp if sharded[cat] else 1) for cat in CATEGORIES}
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(
+    seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
+
+    Assumes 16-bit activations, 1-byte dropout masks and attention that materialises the (heads, s, s) scores:
+    sbh(34 + 5as/h) with no parallelism; with tensor parallelism over t ranks only the parts inside the split
+    linears shrink, sbh(10 + 24/t + 5as/(ht)); sequence parallelism splits the rest too, sbh/t (34 + 5as/h).
+    Selective recompute drops the 5as/h attention term; full recompute keeps only the layer input, 2sbh.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    if recompute == "full":
+        return 2 * s * b * h
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + scores)
+    return s * b * h * (10 + 24 / t + scores / t)
+
+
+def tiny_gpt_activation_bytes(cfg, micro_batch: int, element_size: int = 4) -> dict[str, int]:
+    """Exact saved-activation bytes of :class:`course_lib.models.TinyGPT` for one forward (no dropout).
+
+    Per layer, in elements: LayerNorm inputs 2sbh and their mean and rstd 4sb; the qkv input sbh; q, k and v as
+    the matmuls save them 3sbh; the softmax output as^2 b (also what the attention-times-v matmul saves); the
+    output projection input sbh; the MLP input sbh, GELU input 4sbh and output 4sbh: 16sbh + as^2 b + 4sb, plus
+    the s x s boolean causal mask. That is Korthikanti's 34sbh bytes (17sbh 16-bit elements) less the two sbh-byte
+    dropout masks, and his 5as^2 b less the attention dropout. Outside the layers: the input and target token ids
+    (int64), the final LayerNorm (sbh + 2sb), the output head input sbh, the log-softmax output sbV and one
+    scalar of the loss.
+    """
+    s, b, h, a, v = cfg.seq, micro_batch, cfg.d_model, cfg.heads, cfg.vocab
+    per_layer = element_size * (16 * s * b * h + a * s * s * b + 4 * s * b) + s * s
+    outside = 2 * 8 * b * s + element_size * (2 * s * b * h + 2 * s * b + s * b * v + 1)
+    return {
+        "per_layer": per_layer,
+        "layers": cfg.layers * per_layer,
+        "outside_layers": outside,
+        "total": cfg.layers * per_layer + outside,
+    }
+
+
+def memory_formula(
+    params: float,
+    precision: str = "fp32",
+    zero: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    layers: int | None = None,
+    seq: int | None = None,
+    micro_batch: int = 1,
+    hidden: int | None = None,
+    heads: int | None = None,
+    sp: bool = False,
+    recompute: str = "none",
+) -> dict[str, float]:
+    """Bytes per device: model states (:func:`model_state_formula`) and, when the dims are given, activations.
+
+    Activations: with a 1F1B pipeline the first stage keeps ``pp`` microbatches of its ``layers/pp`` layers in
+    flight, which is one microbatch of all ``layers`` (Korthikanti et al. 2022, §4.2.3).
+    """
+    out = model_state_formula(params, precision, zero, dp, tp, pp)
+    dims = (layers, seq, hidden, heads)
+    if any(d is not None for d in dims) and any(d is None for d in dims):
+        raise ValueError("activations need all of layers, seq, hidden and heads (or none of them)")
+    out["activations"] = (
+        layers * activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sp, recompute) if layers else 0.0
+    )
+    out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
+    return out
+
+
+def params_from_dims(layers: int, hidden: int, vocab: int, seq: int = 0, ffn_mult: int = 4) -> int:
+    """Parameters of a GPT-style model: 12 h^2 per layer (attention 4h^2, MLP 8h^2) plus LayerNorm and bias
+    terms 13h per layer, embeddings V h (tied output head) and learned positions s h, and a final LayerNorm 2h."""
+    per_layer = (4 + 2 * ffn_mult) * hidden * hidden + (9 + ffn_mult) * hidden
+    return layers * per_layer + vocab * hidden + seq * hidden + 2 * hidden

@@ -1,0 +1,211 @@
+"""The reference model every scheme is checked against: a tiny GPT, its synthetic data and a single-device trainer.
+
+The model is a pre-LayerNorm decoder (Radford et al. 2019) small enough that a step takes milliseconds on one CPU
+core: token embedding tied to the output head, a position embedding that can be frozen (so every scheme must cope
+with a parameter that has no gradient), and ``layers`` blocks of causal self-attention and a 4x GELU MLP. Its
+initialisation depends only on the seed, so every rank of every scheme builds the same model. The data is a
+deterministic token stream (no downloads) with structure the model can learn, so losses fall over a few steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the tiny GPT. ``heads`` must divide ``d_model``."""
+
+    vocab: int = 128
+    seq: int = 32
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    ffn_mult: int = 4
+    frozen_pos: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq", "layers", "d_model", "heads", "ffn_mult"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: the same for the reference and every parallel scheme."""
+
+    steps: int = 3
+    batch: int = 8
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"steps and batch must be at least 1, got steps={self.steps}, batch={self.batch}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', not {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v over (batch, heads, seq, head_dim) tensors (Vaswani et al. 2017)."""
+    seq, head_dim = q.shape[-2], q.shape[-1]
+    scores = (q * (1.0 / math.sqrt(head_dim))) @ k.transpose(-2, -1)
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        return self.proj(causal_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn_mult * cfg.d_model)
+        self.fc2 = nn.Linear(cfg.ffn_mult * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """x + attn(ln1(x)), then + mlp(ln2(.)): one transformer layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embedding, ``layers`` blocks, final LayerNorm, output head tied to the token embedding."""
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.seq, cfg.d_model), requires_grad=not cfg.frozen_pos)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.to(dtype)
+        init_weights(self, seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
+        x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok_emb.weight.T
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """N(0, 0.02) weights, zero biases, unit LayerNorm gains; drawn in parameter-name order from ``seed`` alone."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(0.02).to(p.dtype))
+
+
+def count_params(model: nn.Module, trainable_only: bool = True) -> int:
+    """Parameters counted once each (tied ones once); only those that train unless ``trainable_only=False``."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: (inputs, targets), each (batch, seq) token ids, the same on every rank.
+
+    Each sequence follows x[t+1] = (a * x[t] + c) mod vocab from a random start, with one token in eight replaced
+    by noise, so there is a rule to learn and the loss falls from ln(vocab).
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.empty(batch, cfg.seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(cfg.vocab, (batch,), generator=gen)
+    for t in range(cfg.seq):
+        tokens[:, t + 1] = (5 * tokens[:, t] + 3) % cfg.vocab
+    noise = torch.rand(batch, cfg.seq + 1, generator=gen) < 0.125
+    tokens[noise] = torch.randint(cfg.vocab, (int(noise.sum()),), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def make_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (Loshchilov & Hutter 2019), as every scheme uses it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, foreach=False)
+
+
+@dataclass
+class TrainResult:
+    """Per-step losses and the final parameters (by name, detached, on CPU)."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def final_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def train_reference(
+    cfg: GPTConfig = GPTConfig(), train: TrainConfig = TrainConfig(), device: torch.device | str = "cpu"
+) -> TrainResult:
+    """Train on one device: the ground truth that every parallel scheme must reproduce."""
+    device = torch.device(device)
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device)
+    optimizer = make_optimizer(model, train)
+    losses = []
+    for step in range(train.steps):
+        tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
+        loss = model.loss(tokens.to(device), targets.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return TrainResult(losses, final_params(model))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two parameter sets with the same names."""
+    if a.keys() != b.keys():
+        raise ValueError(f"parameter names differ: {sorted(set(a) ^ set(b))}")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

@@ -28,6 +28,8 @@ from torch.utils._pytree import tree_leaves
 BYTES_PER_PARAM = {
     # fp32 Adam: fp32 weights, fp32 grads, fp32 first and second moments.
     "fp32": {"params": 4, "grads": 4, "optimizer": 8},
+    # The course's float64 runs (equivalence at 1e-10): every state twice as wide.
+    "fp64": {"params": 8, "grads": 8, "optimizer": 16},
     # Mixed precision Adam (ZeRO §3.1): fp16/bf16 weights and grads; fp32 master weights, momentum and variance.
     "mixed": {"params": 2, "grads": 2, "optimizer": 12},
 }

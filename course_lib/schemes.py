@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from course_lib import comm, launch
+from course_lib.memory import model_state_formula, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, max_param_diff, train_reference
 from course_lib.parallel.data import train_data_parallel
 
@@ -33,10 +34,12 @@ SCHEMES = {
 
 @dataclass
 class SchemeRun:
-    """``report`` is the JSON-ready summary; ``result`` the launcher's RunResult (timelines, ledgers)."""
+    """``report`` is the JSON-ready summary; ``result`` the launcher's RunResult (timelines, ledgers);
+    ``predicted_memory`` the formula's bytes per rank (:func:`predict_memory`)."""
 
     report: dict
     result: launch.RunResult
+    predicted_memory: list[dict]
 
 
 def validate(scheme: str, world_size: int, train: TrainConfig) -> Scheme:
@@ -59,6 +62,27 @@ def validate(scheme: str, world_size: int, train: TrainConfig) -> Scheme:
     return spec
 
 
+def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig) -> list[dict]:
+    """Predicted bytes per rank by category, for comparison with what the ranks measured.
+
+    Model states follow :func:`course_lib.memory.model_state_formula` for the trainable parameters, plus the
+    frozen parameters' own bytes and one 4-byte step counter per trainable tensor that AdamW keeps; activations
+    follow :func:`course_lib.memory.tiny_gpt_activation_bytes` for each rank's share of the batch.
+    """
+    model = TinyGPT(cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    element = train.torch_dtype.itemsize
+    states = model_state_formula(sum(p.numel() for p in trainable), precision=f"fp{8 * element}")
+    row = {
+        "params": states["params"] + element * frozen,
+        "grads": states["grads"],
+        "optimizer": states["optimizer"] + 4 * len(trainable),
+        "activations": tiny_gpt_activation_bytes(cfg, train.batch // world_size, element)["total"],
+    }
+    return [dict(row) for _ in range(world_size)]
+
+
 def run_scheme(
     scheme: str,
     world_size: int,
@@ -76,8 +100,9 @@ def run_scheme(
     params = next(r["params"] for r in result if r["params"] is not None)
     last = train.steps - 1
     ranks = []
-    for rank, (value, records) in enumerate(zip(result, result.comm, strict=True)):
+    for rank, (value, records, events) in enumerate(zip(result, result.comm, result.events, strict=True)):
         step_records = [rec for rec in records if rec.tags.get("step") == last]
+        stepped = [e for e in events if "step" in e.tags]
         ranks.append(
             {
                 "rank": rank,
@@ -86,6 +111,7 @@ def run_scheme(
                 "comm": {
                     op: {"calls": s["calls"], "bytes": s["bytes"]} for op, s in comm.summarize(step_records).items()
                 },
+                "wall_s": max(e.end for e in stepped) - min(e.start for e in stepped),
             }
         )
     report = {
@@ -104,4 +130,4 @@ def run_scheme(
     }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
-    return SchemeRun(report, result)
+    return SchemeRun(report, result, predict_memory(scheme, world_size, cfg, train))

@@ -16,9 +16,9 @@ from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, mak
 
 
 def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rows ``rank*B/n .. (rank+1)*B/n`` of a global batch of B rows."""
+    """A copy of rows ``rank*B/n .. (rank+1)*B/n`` of a global batch of B rows (a rank holds only its own)."""
     rows = tokens.shape[0] // world_size
-    return tokens[rank * rows : (rank + 1) * rows]
+    return tokens[rank * rows : (rank + 1) * rows].clone()
 
 
 def allreduce_gradients(model: torch.nn.Module, group=None) -> None:

@@ -1,0 +1,231 @@
+"""``python -m course_lib`` (also ``course-lib``): the memory calculator, scheme runs and the demo tour.
+
+Every command takes ``--json FILE`` (``-`` for standard output) to write its result as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from_dims
+from course_lib.models import GPTConfig, TrainConfig
+
+
+def _write_json(data: dict, target: str | None) -> None:
+    if target is None:
+        return
+    text = json.dumps(data, indent=2)
+    if target == "-":
+        print(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text + "\n")
+
+
+def _say(args, text: str = "") -> None:
+    """Human output; silent when the JSON goes to standard output."""
+    if args.json != "-":
+        print(text)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def cmd_memory(args) -> int:
+    dims = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
+    if args.params is None:
+        if args.layers is None or args.hidden is None or args.vocab is None:
+            raise SystemExit("memory: give --params N, or the model dims --layers, --hidden and --vocab")
+        params = params_from_dims(args.layers, args.hidden, args.vocab, args.seq or 0)
+    else:
+        params = int(args.params) if float(args.params).is_integer() else args.params
+    with_activations = all(v is not None for v in dims.values())
+    try:
+        result = memory_formula(
+            params,
+            args.precision,
+            args.zero,
+            args.dp,
+            args.tp,
+            args.pp,
+            micro_batch=args.micro_batch,
+            sp=args.sp,
+            recompute=args.recompute,
+            **(dims if with_activations else {}),
+        )
+    except ValueError as err:
+        raise SystemExit(f"memory: {err}") from None
+    data = {
+        "params": params,
+        "precision": args.precision,
+        "zero": args.zero,
+        "dp": args.dp,
+        "tp": args.tp,
+        "pp": args.pp,
+        "bytes_per_device": result,
+    }
+    _write_json(data, args.json)
+    _say(args, f"{params:,.0f} parameters, {args.precision}, ZeRO-{args.zero}, dp={args.dp} tp={args.tp} pp={args.pp}")
+    for key in (*CATEGORIES, "activations", "total"):
+        _say(args, f"  {key:<12} {result[key] / 1e9:12.3f} GB")
+    if not with_activations:
+        _say(args, "  (activations need --layers, --hidden, --heads and --seq)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ run
+def _train_config(args) -> TrainConfig:
+    return TrainConfig(steps=args.steps, batch=args.batch, seed=args.seed, dtype=args.dtype)
+
+
+def _rank_table(report: dict) -> list[str]:
+    lines = [
+        f"  {'rank':<5}{'params':>12}{'grads':>12}{'optimizer':>12}{'activ.peak':>12}{'peak':>12}{'sent/step':>14}"
+    ]
+    for r in report["ranks"]:
+        m = r["memory"]
+        sent = sum(c["bytes"] for c in r["comm"].values())
+        lines.append(
+            f"  {r['rank']:<5}{m['params']:>12,}{m['grads']:>12,}{m['optimizer']:>12,}"
+            f"{m['activations_peak']:>12,}{m['peak']:>12,}{sent:>14,.0f}"
+        )
+    return lines
+
+
+def cmd_run(args) -> int:
+    from course_lib.schemes import run_scheme
+
+    world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or 4)
+    try:
+        run = run_scheme(args.scheme, world_size, GPTConfig(), _train_config(args), backend=args.backend)
+    except ValueError as err:
+        raise SystemExit(f"run {args.scheme}: {err}") from None
+    report = run.report
+    _write_json(report, args.json)
+    _say(
+        args, f"{args.scheme} on {world_size} {report['backend']} ranks, {report['params']:,} parameters, {args.dtype}"
+    )
+    _say(args, f"  losses           {[round(x, 6) for x in report['losses']]}")
+    _say(args, f"  reference losses {[round(x, 6) for x in report['reference_losses']]}")
+    _say(
+        args,
+        f"  max |loss diff| {report['max_abs_loss_diff']:.3e}   max |param diff| {report['max_abs_param_diff']:.3e}",
+    )
+    _say(args, "  bytes per rank, last step:")
+    for line in _rank_table(report):
+        _say(args, line)
+    if args.plot:
+        _say(args, "  wrote " + ", ".join(_save_plots(run, args.plot)))
+    return 0
+
+
+def _save_plots(run, folder: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course_lib.plots import save_run_figures
+
+    return save_run_figures(run, folder)
+
+
+# ------------------------------------------------------------------------------------------------ demo
+def cmd_demo(args) -> int:
+    from course_lib.schemes import SCHEMES, run_scheme
+
+    train = _train_config(args)
+    rows, reports = [], []
+    started = time.perf_counter()
+    for name, spec in SCHEMES.items():
+        n = 1 if spec.single_rank else args.world_size
+        run = run_scheme(name, n, GPTConfig(), train, backend=args.backend)
+        reports.append(run.report)
+        r0 = run.report["ranks"][0]
+        state = sum(r0["memory"][k] for k in CATEGORIES)
+        rows.append(
+            (
+                name,
+                n,
+                run.report["max_abs_loss_diff"],
+                run.report["max_abs_param_diff"],
+                state,
+                r0["memory"]["activations_peak"],
+                sum(c["bytes"] for c in r0["comm"].values()),
+            )
+        )
+        if args.plot:
+            _save_plots(run, args.plot)
+    _write_json({"schemes": reports}, args.json)
+    _say(
+        args, f"course_lib demo: the tiny GPT ({reports[0]['params']:,} parameters), {train.steps} steps, {args.dtype}"
+    )
+    header = f"{'scheme':<8}{'ranks':>6}{'loss diff':>12}{'param diff':>12}{'states/rank':>14}{'activ./rank':>13}"
+    _say(args, header + f"{'sent/rank/step':>16}")
+    for name, n, dl, dp, state, act, sent in rows:
+        _say(args, f"{name:<8}{n:>6}{dl:>12.2e}{dp:>12.2e}{state:>14,}{act:>13,}{sent:>16,.0f}")
+    _say(args, "(bytes; diffs are against the single-device reference trainer)")
+    if args.plot:
+        _say(args, f"plots and Chrome traces (open in ui.perfetto.dev) written to {os.path.abspath(args.plot)}/")
+    _say(args, f"demo took {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ parser
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="course-lib", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mem = sub.add_parser("memory", help="predicted bytes per device (model states, activations)")
+    mem.add_argument("--params", type=_positive_float, help="parameter count, e.g. 7e9")
+    for dim in ("layers", "hidden", "heads", "vocab", "seq"):
+        mem.add_argument(f"--{dim}", type=int)
+    mem.add_argument("--micro-batch", type=int, default=1)
+    mem.add_argument("--precision", choices=["fp32", "mixed"], default="fp32")
+    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    for axis in ("dp", "tp", "pp"):
+        mem.add_argument(f"--{axis}", type=int, default=1)
+    mem.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    mem.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    mem.set_defaults(func=cmd_memory)
+
+    def training_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+        p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+        p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")
+
+    from course_lib.schemes import SCHEMES
+
+    run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
+    run.add_argument("scheme", choices=sorted(SCHEMES))
+    run.add_argument("--world-size", type=int, help="number of ranks (default 4; 1 for single)")
+    training_flags(run)
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")
+    demo.add_argument("--world-size", type=int, default=4)
+    training_flags(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    for p in (mem, run, demo):
+        p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The command line: JSON contracts of memory, run and demo, and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json", "-"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_seven_billion_fp32_is_112_gb(capsys):
+    data = run_json(capsys, "memory", "--params", "7e9", "--precision", "fp32")
+    assert data["bytes_per_device"]["total"] == 112e9
+    assert data["params"] == 7_000_000_000
+    assert set(data["bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "total"}
+
+
+def test_memory_from_dims_with_activations(capsys):
+    data = run_json(
+        capsys,
+        "memory",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "128",
+        "--seq",
+        "32",
+        "--micro-batch",
+        "2",
+        "--tp",
+        "2",
+        "--sp",
+        "--zero",
+        "1",
+        "--dp",
+        "4",
+    )
+    per_device = data["bytes_per_device"]
+    assert data["params"] == 110336
+    assert per_device["optimizer"] == 8 * 110336 / 2 / 4
+    assert per_device["activations"] == 2 * 32 * 2 * 64 / 2 * (34 + 5 * 4 * 32 / 64)
+
+
+def test_memory_human_output_prints_decimal_gb(capsys):
+    assert main(["memory", "--params", "7e9"]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and "112.000 GB" in out
+
+
+def test_memory_without_a_size_is_an_error():
+    with pytest.raises(SystemExit, match="give --params N"):
+        main(["memory"])
+
+
+def test_run_dp_json_has_the_contract(capsys, tmp_path):
+    data = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "2", "--plot", str(tmp_path))
+    assert {
+        "scheme",
+        "world_size",
+        "params",
+        "steps",
+        "losses",
+        "reference_losses",
+        "max_abs_loss_diff",
+        "max_abs_param_diff",
+        "ranks",
+    } <= set(data)
+    assert data["scheme"] == "dp" and data["world_size"] == 2 and len(data["losses"]) == 2
+    rank = data["ranks"][1]
+    assert rank["rank"] == 1 and rank["coords"] == {"dp": 1}
+    assert {"params", "grads", "optimizer", "activations_peak", "peak"} <= set(rank["memory"])
+    assert rank["comm"]["all_reduce"]["bytes"] == 4 * data["params"]
+    assert 0 < rank["wall_s"] < data["wall_s"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dp_n2_comm.png",
+        "dp_n2_memory.png",
+        "dp_n2_timeline.png",
+        "dp_n2_trace.json",
+    ]
+
+
+def test_run_with_bad_sizes_is_a_clear_error():
+    with pytest.raises(SystemExit, match="does not split evenly over 3"):
+        main(["run", "dp", "--world-size", "3"])
+
+
+def test_demo_prints_its_table_as_a_console_script(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "course_lib", "demo", "--plot", str(tmp_path), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "scheme" in out and "loss diff" in out
+    assert any(line.startswith("dp") and " 4 " in line for line in out.splitlines())
+    assert (tmp_path / "dp_n4_timeline.png").exists()

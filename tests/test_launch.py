@@ -1,0 +1,139 @@
+"""The launcher: real ranks, results in rank order, and every failure a clear error with no process left behind."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import needs_cuda, process_alive, read_pids, write_pid
+
+from course_lib import comm, launch
+
+
+def rank_info(offset, scale=1):
+    return dist.get_rank() * scale + offset, dist.get_world_size(), torch.get_num_threads()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_values_come_back_in_rank_order(world_size):
+    result = launch.run(rank_info, world_size, 10, scale=2)
+    cores = len(os.sched_getaffinity(0))
+    assert [v[0] for v in result] == [10 + 2 * r for r in range(world_size)]
+    assert all(v[1] == world_size for v in result)
+    assert all(v[2] == max(1, cores // world_size) for v in result), "each rank must use cores // world_size threads"
+    assert result.backend == "gloo" and result.world_size == world_size
+
+
+def sum_ranks():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    comm.all_reduce(t)
+    print(f"sum is {t.item():g}")
+    return t.item()
+
+
+def test_collectives_work_and_ledger_comes_back(capsys):
+    result = launch.run(sum_ranks, 4)
+    assert list(result) == [10.0] * 4
+    assert [len(r) for r in result.comm] == [1] * 4
+    assert result.comm[2][0].op == "all_reduce" and result.comm[2][0].sent_bytes == 2 * 3 / 4 * 4
+    out = capsys.readouterr().out
+    assert all(f"[rank {r}] sum is 10" in out for r in range(4)), out
+
+
+def fails_on_rank_one(folder):
+    write_pid(folder, dist.get_rank())
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken on purpose")
+    comm.all_reduce(t)
+
+
+def test_a_rank_that_raises_reports_its_traceback(pid_dir):
+    started = time.perf_counter()
+    with pytest.raises(launch.RankError) as err:
+        launch.run(fails_on_rank_one, 4, pid_dir, timeout=30)
+    assert time.perf_counter() - started < 10
+    message = str(err.value)
+    assert "rank 1 of 4 raised ValueError: rank one is broken on purpose" in message
+    assert "fails_on_rank_one" in message, "the rank's traceback names the function"
+    assert isinstance(err.value.__cause__, ValueError)
+    assert len(read_pids(pid_dir)) == 4
+    assert not any(process_alive(pid) for pid in read_pids(pid_dir))
+
+
+def exits_on_rank_two(folder):
+    write_pid(folder, dist.get_rank())
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if dist.get_rank() == 2:
+        os._exit(3)
+    comm.all_reduce(t)
+
+
+def test_a_rank_that_exits_is_named_with_its_exit_code(pid_dir):
+    started = time.perf_counter()
+    with pytest.raises(launch.RankError, match=r"rank 2 of 4 exited with code 3 without returning a result"):
+        launch.run(exits_on_rank_two, 4, pid_dir, timeout=30)
+    assert time.perf_counter() - started < 10
+    assert not any(process_alive(pid) for pid in read_pids(pid_dir))
+
+
+def hangs_on_rank_one(folder):
+    write_pid(folder, dist.get_rank())
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    comm.all_reduce(t)
+
+
+def test_a_hung_rank_is_an_error_within_the_timeout(pid_dir):
+    started = time.perf_counter()
+    with pytest.raises(launch.RankError) as err:
+        launch.run(hangs_on_rank_one, 4, pid_dir, timeout=3)
+    elapsed = time.perf_counter() - started
+    assert 3 <= elapsed < 8, elapsed
+    message = str(err.value)
+    assert "did not finish within timeout=3 s" in message
+    assert "rank 1: busy outside any collective (last: finished all_reduce #1" in message
+    assert "rank 0: waiting, in all_reduce #2 on world" in message
+    assert "Ranks [0, 2, 3] wait in a collective that ranks [1] never reach." in message
+    assert not any(process_alive(pid) for pid in read_pids(pid_dir))
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        launch.run(rank_info, 0, 1)
+    with pytest.raises(ValueError, match="backend must be"):
+        launch.run(rank_info, 2, 1, backend="mpi")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="needs one CUDA device per rank"):
+            launch.run(rank_info, 64, 1, backend="nccl")
+
+
+def launches_inside():
+    return launch.run(rank_info, 2, 0)
+
+
+def test_run_cannot_be_nested():
+    with pytest.raises(launch.RankError, match="run\\(\\) was called inside a rank function"):
+        launch.run(launches_inside, 2)
+
+
+def device_and_sum():
+    device = launch.rank_device()
+    t = torch.ones(3, device=device) * (dist.get_rank() + 1)
+    comm.all_reduce(t)
+    launch.sync(device)
+    return str(device), t.cpu().tolist()
+
+
+@needs_cuda
+def test_nccl_on_one_gpu_per_rank():
+    n = torch.cuda.device_count()
+    result = launch.run(device_and_sum, n, backend="nccl")
+    assert result.backend == "nccl"
+    assert [d for d, _ in result] == [f"cuda:{r}" for r in range(n)]
+    assert all(v == [n * (n + 1) / 2] * 3 for _, v in result)

@@ -15,8 +15,13 @@ from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from
 from course_lib.models import GPTConfig, TrainConfig
 
 
+def _is_lead() -> bool:
+    """Under torchrun every rank runs the command; only rank 0 prints and writes."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _write_json(data: dict, target: str | None) -> None:
-    if target is None:
+    if target is None or not _is_lead():
         return
     text = json.dumps(data, indent=2)
     if target == "-":
@@ -27,8 +32,8 @@ def _write_json(data: dict, target: str | None) -> None:
 
 
 def _say(args, text: str = "") -> None:
-    """Human output; silent when the JSON goes to standard output."""
-    if args.json != "-":
+    """Human output; silent when the JSON goes to standard output, and on ranks other than 0 under torchrun."""
+    if args.json != "-" and _is_lead():
         print(text)
 
 

@@ -80,7 +80,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        # Head-major copies, so what the attention matmuls save does not depend on the batch size.
+        q, k, v = (
+            t.view(b, s, self.heads, d // self.heads).transpose(1, 2).contiguous() for t in self.qkv(x).split(d, dim=-1)
+        )
         return self.proj(causal_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
 
 
@@ -165,7 +168,7 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
         tokens[:, t + 1] = (5 * tokens[:, t] + 3) % cfg.vocab
     noise = torch.rand(batch, cfg.seq + 1, generator=gen) < 0.125
     tokens[noise] = torch.randint(cfg.vocab, (int(noise.sum()),), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:

@@ -1,6 +1,7 @@
 """The command line: JSON contracts of memory, run and demo, and clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,3 +106,34 @@ def test_demo_prints_its_table_as_a_console_script(tmp_path):
     assert "scheme" in out and "loss diff" in out
     assert any(line.startswith("dp") and " 4 " in line for line in out.splitlines())
     assert (tmp_path / "dp_n4_timeline.png").exists()
+
+
+def test_the_same_command_runs_under_torchrun(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out_file = tmp_path / "dp.json"
+    subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "course_lib",
+            "run",
+            "dp",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--backend",
+            "gloo",
+            "--json",
+            str(out_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    data = json.loads(out_file.read_text())
+    assert data["world_size"] == 2 and data["max_abs_loss_diff"] <= 1e-5
+    assert data["ranks"][1]["comm"]["all_reduce"]["bytes"] == 4 * data["params"]

@@ -71,14 +71,15 @@ def test_parameter_count_from_dims_matches_the_model():
 @pytest.mark.parametrize(
     "cfg", [GPTConfig(), GPTConfig(layers=3, seq=16, vocab=96, d_model=48, heads=6)], ids=["default", "other"]
 )
-def test_measured_activations_equal_the_exact_formula(cfg, dtype):
+@pytest.mark.parametrize("batch", [1, 4])
+def test_measured_activations_equal_the_exact_formula(cfg, dtype, batch):
     model = TinyGPT(cfg, dtype=dtype)
-    tokens, targets = synthetic_tokens(0, 4, cfg)
+    tokens, targets = synthetic_tokens(0, batch, cfg)
     with MemoryMeter(model) as meter:
         loss = model.loss(tokens, targets)
         after_forward = meter.activations
         loss.backward()
-    expected = tiny_gpt_activation_bytes(cfg, 4, dtype.itemsize)["total"]
+    expected = tiny_gpt_activation_bytes(cfg, batch, dtype.itemsize)["total"]
     assert after_forward == expected
     assert meter.activations_peak == expected
     assert meter.activations == 0, "backward frees every saved tensor"

@@ -12,8 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[lab,test]"
 	touch $(STAMP)
 
+# Root (containers, cloud boxes) must say so to Jupyter; everyone else opens the lab as usual.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
 demo: $(STAMP)
 	$(BIN)/python -m course_lib demo --plot demo_out

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import needs_cuda
 
 from course_lib.memory import (
     MemoryMeter,
@@ -117,3 +118,16 @@ def test_peak_counts_what_is_live_at_once():
     assert meter.live == 10000
     del b, c, view
     assert meter.live == 0
+
+
+@needs_cuda
+def test_cuda_allocator_peak_is_reported_beside_the_meter():
+    device = torch.device("cuda", 0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg).to(device)
+    tokens, targets = (t.to(device) for t in synthetic_tokens(0, 4, cfg))
+    with MemoryMeter(model, device=device) as meter:
+        model.loss(tokens, targets).backward()
+    report = meter.report()
+    assert report.activations_peak == tiny_gpt_activation_bytes(cfg, 4)["total"]
+    assert report.cuda_peak >= report.peak > 0

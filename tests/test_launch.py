@@ -41,58 +41,45 @@ def test_collectives_work_and_ledger_comes_back(capsys):
     assert all(f"[rank {r}] sum is 10" in out for r in range(4)), out
 
 
-def fails_on_rank_one(folder):
+def misbehaves(folder, bad_rank, how):
+    """Every rank records its pid and joins an all-reduce; then ``bad_rank`` raises, exits or hangs."""
     write_pid(folder, dist.get_rank())
     t = torch.ones(2)
     comm.all_reduce(t)
-    if dist.get_rank() == 1:
-        raise ValueError("rank one is broken on purpose")
+    if dist.get_rank() == bad_rank:
+        if how == "raise":
+            raise ValueError(f"rank {bad_rank} is broken on purpose")
+        if how == "exit":
+            os._exit(3)
+        time.sleep(600)
     comm.all_reduce(t)
 
 
 def test_a_rank_that_raises_reports_its_traceback(pid_dir):
     started = time.perf_counter()
     with pytest.raises(launch.RankError) as err:
-        launch.run(fails_on_rank_one, 4, pid_dir, timeout=30)
+        launch.run(misbehaves, 4, pid_dir, 1, "raise", timeout=30)
     assert time.perf_counter() - started < 10
     message = str(err.value)
-    assert "rank 1 of 4 raised ValueError: rank one is broken on purpose" in message
-    assert "fails_on_rank_one" in message, "the rank's traceback names the function"
+    assert "rank 1 of 4 raised ValueError: rank 1 is broken on purpose" in message
+    assert "in misbehaves" in message, "the rank's traceback names the function"
     assert isinstance(err.value.__cause__, ValueError)
     assert len(read_pids(pid_dir)) == 4
     assert not any(process_alive(pid) for pid in read_pids(pid_dir))
 
 
-def exits_on_rank_two(folder):
-    write_pid(folder, dist.get_rank())
-    t = torch.ones(2)
-    comm.all_reduce(t)
-    if dist.get_rank() == 2:
-        os._exit(3)
-    comm.all_reduce(t)
-
-
 def test_a_rank_that_exits_is_named_with_its_exit_code(pid_dir):
     started = time.perf_counter()
     with pytest.raises(launch.RankError, match=r"rank 2 of 4 exited with code 3 without returning a result"):
-        launch.run(exits_on_rank_two, 4, pid_dir, timeout=30)
+        launch.run(misbehaves, 4, pid_dir, 2, "exit", timeout=30)
     assert time.perf_counter() - started < 10
     assert not any(process_alive(pid) for pid in read_pids(pid_dir))
-
-
-def hangs_on_rank_one(folder):
-    write_pid(folder, dist.get_rank())
-    t = torch.ones(2)
-    comm.all_reduce(t)
-    if dist.get_rank() == 1:
-        time.sleep(600)
-    comm.all_reduce(t)
 
 
 def test_a_hung_rank_is_an_error_within_the_timeout(pid_dir):
     started = time.perf_counter()
     with pytest.raises(launch.RankError) as err:
-        launch.run(hangs_on_rank_one, 4, pid_dir, timeout=3)
+        launch.run(misbehaves, 4, pid_dir, 1, "hang", timeout=3)
     elapsed = time.perf_counter() - started
     assert 3 <= elapsed < 8, elapsed
     message = str(err.value)

@@ -99,12 +99,27 @@ def _rank_table(report: dict) -> list[str]:
     return lines
 
 
+def _scheme_options(args) -> dict:
+    """Only the options given on the command line, so each scheme can refuse the ones it does not take."""
+    options = {
+        "bucket_mb": None if args.naive else args.bucket_mb,
+        "grad_accum": args.grad_accum,
+        "overlap": False if args.no_overlap else None,
+        "reshard_after_forward": False if args.no_reshard else None,
+    }
+    if args.naive and args.bucket_mb is not None:
+        raise SystemExit("run: --naive (one all-reduce per gradient) and --bucket-mb exclude each other")
+    return {k: v for k, v in options.items() if v is not None or (k == "bucket_mb" and args.naive)}
+
+
 def cmd_run(args) -> int:
     from course_lib.schemes import run_scheme
 
     world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or 4)
     try:
-        run = run_scheme(args.scheme, world_size, GPTConfig(), _train_config(args), backend=args.backend)
+        run = run_scheme(
+            args.scheme, world_size, GPTConfig(), _train_config(args), backend=args.backend, **_scheme_options(args)
+        )
     except ValueError as err:
         raise SystemExit(f"run {args.scheme}: {err}") from None
     report = run.report
@@ -209,11 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")
 
-    from course_lib.schemes import SCHEMES
+    from course_lib.schemes import ALIASES, SCHEMES
 
     run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
-    run.add_argument("scheme", choices=sorted(SCHEMES))
+    run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
     run.add_argument("--world-size", type=int, help="number of ranks (default 4; 1 for single)")
+    run.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)")
+    run.add_argument("--naive", action="store_true", help="dp: one all-reduce per gradient, after backward")
+    run.add_argument("--grad-accum", type=int, help="micro-batches per step, synced once (default 1)")
+    run.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
+    run.add_argument(
+        "--no-reshard", action="store_true", help="zero3: keep gathered parameters from forward to backward"
+    )
     training_flags(run)
     run.set_defaults(func=cmd_run)
 

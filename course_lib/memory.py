@@ -51,14 +51,34 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def _held_params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The model's parameters and the optimizer's (a sharded scheme's optimizer holds shards, not the model's)."""
+    params = list(model.parameters()) if model is not None else []
+    if optimizer is not None:
+        params += [p for group in optimizer.param_groups for p in group["params"]]
+    return params
+
+
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Measured bytes of the model's parameters, gradients and optimizer state, each storage counted once."""
-    params = list(model.parameters())
+    """Measured bytes of the parameters, gradients and optimizer state, each storage counted once."""
+    params = _held_params(model, optimizer)
     return {
         "params": _unique_bytes(params),
         "grads": _unique_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": _unique_bytes(optimizer_tensors(optimizer)),
     }
+
+
+_ACTIVE_METERS: list[MemoryMeter] = []
+
+
+def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Grow or shrink ``tensor``'s storage in place, keeping every view of it (FSDP's way to free gathered
+    parameters between uses); running meters are told, since a storage resize is no operator they can see."""
+    storage = tensor.untyped_storage()
+    storage.resize_(nbytes)
+    for meter in _ACTIVE_METERS:
+        meter._resized(storage)
 
 
 @dataclass
@@ -79,18 +99,19 @@ class MemoryReport:
 class MemoryMeter(TorchDispatchMode):
     """Measure live storage bytes and saved activations while the ``with`` body runs.
 
-    Storages that exist when the meter starts and belong to ``model``/``optimizer`` (or are passed in ``extra``)
-    count as live from the start; everything an operator creates inside counts from its creation to its free.
+    Storages that exist when the meter starts and belong to ``model``/``optimizer`` count as live from the start;
+    everything an operator creates inside counts from its creation to its free.
     """
 
-    def __init__(self, model: nn.Module | None = None, optimizer=None, extra=(), device=None) -> None:
+    def __init__(self, model: nn.Module | None = None, optimizer=None, device=None) -> None:
         super().__init__()
         self.model, self.optimizer = model, optimizer
         self.device = torch.device(device) if device is not None else None
-        params = list(model.parameters()) if model is not None else []
-        self._param_keys = {_storage_key(p) for p in params}
+        params = _held_params(model, optimizer)
+        # Storage objects, not addresses: a sharded scheme re-allocates a parameter's storage in place.
+        self._param_storages = {p.untyped_storage()._cdata for p in params}
         grads = [p.grad for p in params if p.grad is not None]
-        self._initial = params + grads + optimizer_tensors(optimizer) + list(extra)
+        self._initial = params + grads + optimizer_tensors(optimizer)
         self._live: dict[int, int] = {}
         self.live = 0
         self.peak = 0
@@ -101,7 +122,9 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- live storages -------------------------------------------------------------------------------------
     def _track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
+        self._track_storage(t.untyped_storage())
+
+    def _track_storage(self, st) -> None:
         key = st._cdata
         if key in self._live:
             return
@@ -113,6 +136,14 @@ class MemoryMeter(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.live -= self._live.pop(key, 0)
 
+    def _resized(self, storage) -> None:
+        if storage._cdata not in self._live:
+            self._track_storage(storage)
+            return
+        self.live += storage.nbytes() - self._live[storage._cdata]
+        self._live[storage._cdata] = storage.nbytes()
+        self.peak = max(self.peak, self.live)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage()._cdata for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
@@ -123,9 +154,9 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- saved activations ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        key = _storage_key(t)
-        if key in self._param_keys:
+        if t.untyped_storage()._cdata in self._param_storages:
             return t
+        key = _storage_key(t)
         if self._saved.get(key, 0) == 0:
             self.activations += key[1]
             self.activations_peak = max(self.activations_peak, self.activations)
@@ -148,10 +179,12 @@ class MemoryMeter(TorchDispatchMode):
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._hooks.__enter__()
+        _ACTIVE_METERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        _ACTIVE_METERS.remove(self)
         self._hooks.__exit__(*exc)
         return result
 
@@ -276,7 +309,8 @@ def memory_formula(
 
 
 def params_from_dims(layers: int, hidden: int, vocab: int, seq: int = 0, ffn_mult: int = 4) -> int:
-    """Parameters of a GPT-style model: 12 h^2 per layer (attention 4h^2, MLP 8h^2) plus LayerNorm and bias
-    terms 13h per layer, embeddings V h (tied output head) and learned positions s h, and a final LayerNorm 2h."""
-    per_layer = (4 + 2 * ffn_mult) * hidden * hidden + (9 + ffn_mult) * hidden
+    """Parameters of a GPT-style model: (4 + 2m) h^2 per layer (attention 4h^2, MLP 2m h^2 for an m-times-wider
+    MLP), biases and LayerNorms (m + 6) h per layer (no bias on the qkv projection), token embeddings V h shared
+    with the output head, learned positions s h, and a final LayerNorm 2h."""
+    per_layer = (4 + 2 * ffn_mult) * hidden * hidden + (6 + ffn_mult) * hidden
     return layers * per_layer + vocab * hidden + seq * hidden + 2 * hidden

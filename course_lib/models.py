@@ -10,6 +10,7 @@ deterministic token stream (no downloads) with structure the model can learn, so
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        # No bias here (as in PaLM and Llama): the key bias would get an exactly-zero gradient (adding a constant to
+        # every score of a query leaves the softmax unchanged), so in floating point its gradient is rounding noise,
+        # which Adam's normalised update turns into steps of size lr that no two summation orders agree on.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,10 +175,10 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
     return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
 
-def make_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (Loshchilov & Hutter 2019), as every scheme uses it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, foreach=False)
+def make_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses."""
+    trainable = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, foreach=False)
 
 
 @dataclass
@@ -195,7 +199,7 @@ def train_reference(
     """Train on one device: the ground truth that every parallel scheme must reproduce."""
     device = torch.device(device)
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device)
-    optimizer = make_optimizer(model, train)
+    optimizer = make_optimizer(model.parameters(), train)
     losses = []
     for step in range(train.steps):
         tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
@@ -207,8 +211,25 @@ def train_reference(
     return TrainResult(losses, final_params(model))
 
 
-def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between two parameter sets with the same names."""
+def _same_names(a: dict, b: dict) -> None:
     if a.keys() != b.keys():
         raise ValueError(f"parameter names differ: {sorted(set(a) ^ set(b))}")
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute elementwise difference between two parameter sets with the same names."""
+    _same_names(a, b)
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def rel_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all parameters together (2-norm): the relative error of the whole model.
+
+    In float32 this, not the elementwise difference, is the meaningful measure after Adam steps: Adam divides by
+    sqrt(v), so a weight whose gradient is tiny (|g| ~ 1e-8) moves by ~lr whatever its sign and size, and rounding
+    noise in g of 1e-10 (a different summation order) changes that move by a visible fraction.
+    """
+    _same_names(a, b)
+    num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)
+    den = sum((b[k].double() ** 2).sum() for k in a)
+    return (num / den).sqrt().item()

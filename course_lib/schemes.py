@@ -1,5 +1,5 @@
 """The equivalence harness: run a parallel scheme on real ranks, train the single-device reference beside it, and
-report both — losses, parameter differences, and every rank's memory and bytes moved.
+report both — losses, parameter differences, and every rank's memory and bytes moved, each beside its prediction.
 
 Each scheme is a rank function ``fn(cfg, train, **options) -> dict`` with ``losses`` (this rank's per-step losses
 over the rows it saw, or None when it saw no loss), ``params`` (the full parameters by name on ranks that hold
@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from course_lib import comm, launch
-from course_lib.memory import model_state_formula, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, max_param_diff, train_reference
+from course_lib.comm import ring_factor
+from course_lib.memory import tiny_gpt_activation_bytes
+from course_lib.models import (
+    GPTConfig,
+    TinyGPT,
+    TrainConfig,
+    count_params,
+    max_param_diff,
+    rel_param_diff,
+    train_reference,
+)
 from course_lib.parallel.data import train_data_parallel
+from course_lib.parallel.zero import flat_sizes, train_zero
 
 
 @dataclass(frozen=True)
@@ -23,64 +33,127 @@ class Scheme:
     name: str
     rank_fn: Callable
     summary: str
+    options: tuple[str, ...] = ()
+    fixed: dict = field(default_factory=dict)
     single_rank: bool = False
 
 
+_DP_OPTIONS = ("bucket_mb", "overlap", "grad_accum")
 SCHEMES = {
     "single": Scheme("single", train_data_parallel, "one rank, the whole batch: the baseline", single_rank=True),
-    "dp": Scheme("dp", train_data_parallel, "data parallel: replicate the model, split the batch, all-reduce grads"),
+    "dp": Scheme("dp", train_data_parallel, "replicate the model, split the batch, all-reduce gradients", _DP_OPTIONS),
+    "zero1": Scheme("zero1", train_zero, "ZeRO-1: shard the optimizer state", _DP_OPTIONS, {"stage": 1}),
+    "zero2": Scheme("zero2", train_zero, "ZeRO-2: shard optimizer state and gradients", _DP_OPTIONS, {"stage": 2}),
+    "zero3": Scheme(
+        "zero3",
+        train_zero,
+        "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs",
+        ("overlap", "grad_accum", "reshard_after_forward"),
+        {"stage": 3},
+    ),
 }
+ALIASES = {"fsdp": "zero3"}
 
 
 @dataclass
 class SchemeRun:
     """``report`` is the JSON-ready summary; ``result`` the launcher's RunResult (timelines, ledgers);
-    ``predicted_memory`` the formula's bytes per rank (:func:`predict_memory`)."""
+    ``predicted_memory`` and ``predicted_comm`` the formulas' bytes per rank."""
 
     report: dict
     result: launch.RunResult
     predicted_memory: list[dict]
+    predicted_comm: dict
 
 
-def validate(scheme: str, world_size: int, train: TrainConfig) -> Scheme:
+def validate(scheme: str, world_size: int, train: TrainConfig, options: dict) -> Scheme:
     """Reject impossible settings before any rank starts, saying how to fix them."""
+    scheme = ALIASES.get(scheme, scheme)
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES)}")
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(ALIASES)}")
     spec = SCHEMES[scheme]
+    unknown = set(options) - set(spec.options)
+    if unknown:
+        raise ValueError(f"scheme {scheme!r} takes no option(s) {sorted(unknown)}; it takes {list(spec.options)}")
     if spec.single_rank and world_size != 1:
         raise ValueError(f"scheme 'single' runs on one rank; pass world size 1, not {world_size}")
+    bucket_mb = options.get("bucket_mb", 0.1)
+    if bucket_mb is not None and bucket_mb <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_mb} MB; try 0.1 (or 25, PyTorch DDP's default)")
+    accum = options.get("grad_accum", 1)
+    if accum < 1:
+        raise ValueError(f"grad_accum must be at least 1, got {accum}")
     if world_size > train.batch:
         raise ValueError(
             f"world size {world_size} is larger than the global batch of {train.batch} sequences: some ranks would "
             f"get no data. Use a batch of at least {world_size} or fewer ranks."
         )
-    if train.batch % world_size:
+    if train.batch % (world_size * accum):
         raise ValueError(
             f"the global batch of {train.batch} sequences does not split evenly over {world_size} data-parallel "
-            f"ranks; use a batch that is a multiple of {world_size}"
+            f"ranks x {accum} micro-batches; use a batch that is a multiple of {world_size * accum}"
         )
     return spec
 
 
-def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig) -> list[dict]:
+def _layout(
+    scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict
+) -> tuple[TinyGPT, list[int]]:
+    model = TinyGPT(cfg, dtype=train.torch_dtype)  # bucket boundaries depend on the element size
+    if not scheme.startswith("zero"):
+        return model, []
+    stage = SCHEMES[scheme].fixed["stage"]
+    return model, flat_sizes(model, world_size, stage, int(options.get("bucket_mb", 0.1) * 1e6))
+
+
+def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> list[dict]:
     """Predicted bytes per rank by category, for comparison with what the ranks measured.
 
-    Model states follow :func:`course_lib.memory.model_state_formula` for the trainable parameters, plus the
-    frozen parameters' own bytes and one 4-byte step counter per trainable tensor that AdamW keeps; activations
-    follow :func:`course_lib.memory.tiny_gpt_activation_bytes` for each rank's share of the batch.
+    With e bytes per element, P trainable and F frozen parameters, T trainable tensors and, for ZeRO, flat buffers
+    padded to a multiple of n holding Pad elements in k buffers: DP keeps eP + eF of parameters, eP of gradients
+    and 2eP + 4T of AdamW state (two moments, a 4-byte step counter per tensor). ZeRO shards, over n ranks, the
+    optimizer state (stage 1: 2e Pad/n + 4k), then the gradients (stage 2: e Pad/n), then the parameters (stage 3:
+    e Pad/n; the frozen parameters stay whole). Activations follow
+    :func:`course_lib.memory.tiny_gpt_activation_bytes` for one micro-batch of this rank's share of the batch.
     """
-    model = TinyGPT(cfg)
+    model, sizes = _layout(scheme, world_size, cfg, train, options)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = count_params(model, trainable_only=False) - count_params(model)
-    element = train.torch_dtype.itemsize
-    states = model_state_formula(sum(p.numel() for p in trainable), precision=f"fp{8 * element}")
-    row = {
-        "params": states["params"] + element * frozen,
-        "grads": states["grads"],
-        "optimizer": states["optimizer"] + 4 * len(trainable),
-        "activations": tiny_gpt_activation_bytes(cfg, train.batch // world_size, element)["total"],
-    }
+    P, F = count_params(model), count_params(model, trainable_only=False) - count_params(model)
+    e, n = train.torch_dtype.itemsize, world_size
+    if sizes:
+        stage, pad = SCHEMES[scheme].fixed["stage"], sum(sizes)
+        row = {
+            "params": e * (pad // n if stage >= 3 else pad) + e * F,
+            "grads": e * (pad // n if stage >= 2 else pad),
+            "optimizer": 2 * e * pad // n + 4 * len(sizes),
+        }
+    else:
+        row = {"params": e * (P + F), "grads": e * P, "optimizer": 2 * e * P + 4 * len(trainable)}
+    micro = train.batch // (world_size * options.get("grad_accum", 1))
+    row["activations"] = tiny_gpt_activation_bytes(cfg, micro, e)["total"]
     return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> dict:
+    """Predicted bytes each rank sends per step, by collective (ring accounting, see :mod:`course_lib.comm`).
+
+    DP: all-reduce of every gradient, 2(n-1)/n x eP. ZeRO-1/2: reduce-scatter of the gradients and all-gather of
+    the updated parameters, (n-1)/n x e Pad each (stage 2 reduce-scatters every micro-batch). ZeRO-3: two
+    all-gathers (forward and backward, or one without resharding after forward) and one reduce-scatter per
+    micro-batch.
+    """
+    model, sizes = _layout(scheme, world_size, cfg, train, options)
+    e, n, k = train.torch_dtype.itemsize, world_size, options.get("grad_accum", 1)
+    if n == 1:
+        return {}
+    if not sizes:
+        return {"all_reduce": ring_factor("all_reduce", n) * e * count_params(model)}
+    stage, S = SCHEMES[scheme].fixed["stage"], e * sum(sizes)
+    part = ring_factor("all_gather", n) * S
+    if stage == 3:
+        gathers = 1 if options.get("reshard_after_forward", True) is False else 2
+        return {"all_gather": gathers * k * part, "reduce_scatter": k * part}
+    return {"reduce_scatter": (k if stage == 2 else 1) * part, "all_gather": part}
 
 
 def run_scheme(
@@ -90,10 +163,11 @@ def run_scheme(
     train: TrainConfig = TrainConfig(),
     backend: str = "auto",
     timeout: float = 120.0,
+    **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`."""
-    spec = validate(scheme, world_size, train)
-    result = launch.run(spec.rank_fn, world_size, cfg, train, backend=backend, timeout=timeout)
+    spec = validate(scheme, world_size, train, options)
+    result = launch.run(spec.rank_fn, world_size, cfg, train, backend=backend, timeout=timeout, **spec.fixed, **options)
     reference = train_reference(cfg, train)
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
@@ -115,19 +189,26 @@ def run_scheme(
             }
         )
     report = {
-        "scheme": scheme,
+        "scheme": spec.name,
         "world_size": world_size,
         "backend": result.backend,
         "dtype": train.dtype,
+        "options": options,
         "params": count_params(TinyGPT(cfg)),
         "steps": train.steps,
         "losses": losses,
         "reference_losses": reference.losses,
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)),
         "max_abs_param_diff": max_param_diff(params, reference.params),
+        "rel_param_diff": rel_param_diff(params, reference.params),
         "ranks": ranks,
         "wall_s": result.wall_s,
     }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
-    return SchemeRun(report, result, predict_memory(scheme, world_size, cfg, train))
+    return SchemeRun(
+        report,
+        result,
+        predict_memory(spec.name, world_size, cfg, train, options),
+        predict_comm(spec.name, world_size, cfg, train, options),
+    )

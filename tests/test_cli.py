@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from course_lib.cli import main
+from course_lib.models import GPTConfig, TinyGPT, count_params
+from course_lib.parallel.zero import flat_sizes
 
 
 def run_json(capsys, *argv):
@@ -47,8 +49,9 @@ def test_memory_from_dims_with_activations(capsys):
         "4",
     )
     per_device = data["bytes_per_device"]
-    assert data["params"] == 110336
-    assert per_device["optimizer"] == 8 * 110336 / 2 / 4
+    total = count_params(TinyGPT(GPTConfig()), trainable_only=False)  # the same dims as the tiny GPT
+    assert data["params"] == total
+    assert per_device["optimizer"] == 8 * total / 2 / 4
     assert per_device["activations"] == 2 * 32 * 2 * 64 / 2 * (34 + 5 * 4 * 32 / 64)
 
 
@@ -137,3 +140,23 @@ def test_the_same_command_runs_under_torchrun(tmp_path):
     data = json.loads(out_file.read_text())
     assert data["world_size"] == 2 and data["max_abs_loss_diff"] <= 1e-5
     assert data["ranks"][1]["comm"]["all_reduce"]["bytes"] == 4 * data["params"]
+
+
+@pytest.mark.parametrize("scheme", ["zero1", "zero2", "zero3", "fsdp"])
+def test_run_zero_stages_match_one_device(capsys, scheme):
+    data = run_json(capsys, "run", scheme, "--world-size", "4", "--steps", "2")
+    assert data["scheme"] == ("zero3" if scheme == "fsdp" else scheme)
+    assert data["max_abs_loss_diff"] <= 1e-5 and data["rel_param_diff"] <= 1e-5
+
+
+def test_run_flags_reach_the_scheme(capsys):
+    naive = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "1", "--naive")
+    bucketed = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "1", "--bucket-mb", "1")
+    accum = run_json(capsys, "run", "zero2", "--world-size", "2", "--steps", "1", "--grad-accum", "2")
+    assert naive["ranks"][0]["comm"]["all_reduce"]["calls"] > bucketed["ranks"][0]["comm"]["all_reduce"]["calls"] == 1
+    buckets = len(flat_sizes(TinyGPT(GPTConfig()), 2, 2, int(0.1e6)))
+    assert accum["ranks"][0]["comm"]["reduce_scatter"]["calls"] == 2 * buckets  # every micro-batch, every bucket
+    with pytest.raises(SystemExit, match="bucket size must be positive"):
+        main(["run", "dp", "--bucket-mb", "0"])
+    with pytest.raises(SystemExit, match="takes no option"):
+        main(["run", "zero3", "--bucket-mb", "1"])

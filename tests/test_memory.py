@@ -89,7 +89,7 @@ def test_measured_activations_equal_the_exact_formula(cfg, dtype, batch):
 def test_model_states_are_sixteen_bytes_per_trainable_parameter():
     cfg = GPTConfig()
     model = TinyGPT(cfg)
-    optimizer = make_optimizer(model, TrainConfig())
+    optimizer = make_optimizer(model.parameters(), TrainConfig())
     tokens, targets = synthetic_tokens(0, 2, cfg)
     model.loss(tokens, targets).backward()
     optimizer.step()

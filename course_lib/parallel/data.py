@@ -1,14 +1,25 @@
-"""Data parallelism: every rank holds the whole model, takes its slice of the global batch, and after backward the
-gradients are all-reduced and averaged so that every replica takes the same optimizer step.
+"""Data parallelism: every rank holds the whole model, takes its slice of the global batch, and the gradients are
+all-reduced and averaged so that every replica takes the same optimizer step (Li et al. 2020, "PyTorch
+Distributed: Experiences on Accelerating Data Parallel Training", §3).
 
-Naive form (Li et al. 2020, "PyTorch Distributed", §3.2): one all-reduce per gradient after backward. Its ring
-cost per step is 2(n-1)/n x (bytes of all gradients) per rank.
+* naive (§3.2.1): one all-reduce per gradient, after backward.
+* bucketed with overlap (§3.2.2-3.2.3): gradients are grouped into buckets of about ``bucket_mb``; a hook on each
+  parameter notices when a bucket's last gradient is ready and starts its all-reduce at once, while backward goes
+  on computing earlier layers; the optimizer waits for all of them.
+* gradient accumulation (§3.2.4, ``no_sync``): inner micro-steps only accumulate local gradients; the last one syncs.
+
+Per step each rank sends 2(n-1)/n x (gradient bytes), however the gradients are grouped. This file also holds the
+training loop that the data-parallel family (here and in ``zero.py``) shares.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.memory import MemoryMeter
@@ -21,37 +32,175 @@ def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
     return tokens[rank * rows : (rank + 1) * rows].clone()
 
 
-def allreduce_gradients(model: torch.nn.Module, group=None) -> None:
-    """Average every gradient over the group: all-reduce the sum, divide by the group size."""
-    n = dist.get_world_size(group)
-    for p in model.parameters():
-        if p.grad is not None:
-            comm.all_reduce(p.grad, group=group)
+def split_into_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive groups of parameters of at most ``bucket_bytes`` each (a larger parameter gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes; try --bucket-mb 0.1")
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def backward_order(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters, last layer first: roughly the order in which backward produces their gradients."""
+    return [p for p in reversed(list(model.parameters())) if p.requires_grad]
+
+
+class ReadyGroups:
+    """Calls ``on_ready(i)`` during backward as soon as every parameter of ``groups[i]`` has its gradient.
+
+    Built on ``register_post_accumulate_grad_hook``, which fires once a leaf's gradient for this backward is
+    complete (a tied parameter's two uses are summed first). ``enabled = False`` silences it (``no_sync``).
+    """
+
+    def __init__(self, groups: list[list[nn.Parameter]], on_ready: Callable[[int], None]) -> None:
+        self.groups = groups
+        self.enabled = True
+        self._missing = [len(g) for g in groups]
+        for i, group in enumerate(groups):
+            for p in group:
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._arrived(i, on_ready))
+
+    def _arrived(self, i: int, on_ready: Callable[[int], None]) -> None:
+        if not self.enabled:
+            return
+        self._missing[i] -= 1
+        if self._missing[i] == 0:
+            self._missing[i] = len(self.groups[i])
+            on_ready(i)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No calls inside the ``with`` body (inner micro-steps of gradient accumulation)."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+
+class DataParallelStrategy:
+    """What a data-parallel scheme adds to plain training; the loop in :func:`train_loop` calls these in order."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inner micro-steps of gradient accumulation: keep gradients local (nothing to do by default)."""
+        yield
+
+    def finish_gradients(self) -> None:
+        """After the step's last backward: every rank must hold the averaged gradients it needs."""
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def after_optimizer_step(self) -> None:
+        """After the update: every rank must hold the parameters the next forward needs."""
+
+
+class NaiveAllReduce(DataParallelStrategy):
+    """One blocking all-reduce per gradient, after backward."""
+
+    def finish_gradients(self) -> None:
+        n = dist.get_world_size()
+        for p in backward_order(self.model):
+            comm.all_reduce(p.grad)
             p.grad.div_(n)
 
 
-def train_data_parallel(cfg: GPTConfig, train: TrainConfig) -> dict:
-    """Rank function: train the tiny GPT with naive data parallelism; returns this rank's losses and state."""
+class BucketedAllReduce(DataParallelStrategy):
+    """DDP's scheme: all-reduce buckets of gradients, started from backward hooks when ``overlap`` is on."""
+
+    def __init__(self, model, optimizer, bucket_bytes: int, overlap: bool = True) -> None:
+        super().__init__(model, optimizer)
+        self.buckets = split_into_buckets(backward_order(model), bucket_bytes)
+        self.overlap = overlap
+        self._in_flight: list[tuple[int, torch.Tensor, comm.Handle]] = []
+        self.ready = ReadyGroups(self.buckets, self._launch) if overlap else None
+
+    def _launch(self, i: int) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        with trace.tags(bucket=i):
+            self._in_flight.append((i, flat, comm.all_reduce(flat, async_op=True)))
+
+    def no_sync(self):
+        return self.ready.paused() if self.ready is not None else contextlib.nullcontext()
+
+    def finish_gradients(self) -> None:
+        if not self.overlap:
+            for i in range(len(self.buckets)):
+                self._launch(i)
+        n = dist.get_world_size()
+        for i, flat, handle in self._in_flight:
+            handle.wait()
+            flat.div_(n)
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._in_flight = []
+
+
+def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``count`` equal row slices (copies) of a rank's batch."""
+    return [batch_shard(tokens, k, count) for k in range(count)]
+
+
+def train_loop(strategy: DataParallelStrategy, cfg: GPTConfig, train: TrainConfig, grad_accum: int = 1) -> dict:
+    """Train ``strategy.model`` on this rank's share of each global batch; returns this rank's report.
+
+    Each step: ``grad_accum`` micro-batches, forward and backward (loss scaled by 1/grad_accum, all but the last
+    under ``no_sync``), then the strategy's gradient sync, the optimizer step, and the strategy's parameter sync.
+    """
     rank, n = dist.get_rank(), dist.get_world_size()
     device = launch.rank_device()
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device)
-    optimizer = make_optimizer(model, train)
+    model, optimizer = strategy.model, strategy.optimizer
     losses = []
     for step in range(train.steps):
-        tokens, targets = (
-            batch_shard(t, rank, n).to(device) for t in synthetic_tokens(step, train.batch, cfg, train.seed)
-        )
+        tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
+        micro = list(zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True))
+        step_loss = 0.0
         with trace.tags(step=step), MemoryMeter(model, optimizer, device=device) as meter:
-            with trace.span("forward"):
-                loss = model.loss(tokens, targets)
-            with trace.span("backward"):
-                loss.backward()
-            if n > 1:
-                with trace.tags(phase="grad_sync"):
-                    allreduce_gradients(model)
+            for k, (x, y) in enumerate(micro):
+                quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
+                with quiet, trace.tags(microbatch=k):
+                    with trace.span("forward"):
+                        loss = model.loss(x.to(device), y.to(device)) / grad_accum
+                    with trace.span("backward"):
+                        loss.backward()
+                step_loss += loss.item()
+            with trace.tags(phase="grad_sync"):
+                strategy.finish_gradients()
             with trace.span("optimizer"):
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
+                strategy.zero_grad()
+            with trace.tags(phase="param_sync"):
+                strategy.after_optimizer_step()
             launch.sync(device)
-        losses.append(loss.item())
-    return {"losses": losses, "params": final_params(model), "memory": meter.report().as_dict(), "coords": {"dp": rank}}
+        losses.append(step_loss)
+    return {"losses": losses, "memory": meter.report().as_dict(), "coords": {"dp": rank}}
+
+
+def train_data_parallel(
+    cfg: GPTConfig, train: TrainConfig, bucket_mb: float | None = 0.1, overlap: bool = True, grad_accum: int = 1
+) -> dict:
+    """Rank function: data parallel training of the tiny GPT. ``bucket_mb=None`` is the naive scheme."""
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    optimizer = make_optimizer(model.parameters(), train)
+    if dist.get_world_size() == 1:
+        strategy = DataParallelStrategy(model, optimizer)
+    elif bucket_mb is None:
+        strategy = NaiveAllReduce(model, optimizer)
+    else:
+        strategy = BucketedAllReduce(model, optimizer, int(bucket_mb * 1e6), overlap)
+    report = train_loop(strategy, cfg, train, grad_accum)
+    return {**report, "params": final_params(model)}

@@ -133,7 +133,7 @@ def _tell(status: str) -> None:
 
 def _finish(rec: CommRecord, describe: str) -> None:
     rec.end = trace.now()
-    trace.record("comm", rec.op, rec.start, rec.end, group=rec.group, bytes=rec.sent_bytes)
+    trace.record("comm", rec.op, rec.start, rec.end, rec.tags, group=rec.group, bytes=rec.sent_bytes)
     _tell(f"finished {describe}")
 
 

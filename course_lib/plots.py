@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from course_lib.comm import CommRecord, summarize
+from course_lib.memory import CATEGORIES, model_state_formula
 from course_lib.trace import Event, to_chrome_trace, with_idle
 
 KIND_COLORS = {
@@ -43,17 +44,21 @@ def _axes(ax, size):
 def plot_timeline(
     events_per_rank: Sequence[Sequence[Event]], ax=None, title: str = "What each rank did (wall clock)"
 ) -> plt.Figure:
-    """One row per rank; each event a bar coloured by kind; gaps drawn as idle; comm drawn over compute."""
-    fig, ax = _axes(ax, (10, 0.6 * len(events_per_rank) + 1.6))
+    """Two lanes per rank, as a profiler shows streams: compute above (gaps drawn as idle; an event inside
+    another, such as one block's forward inside the forward pass, drawn thinner on top) and collectives below,
+    from when they were issued to when they were waited for."""
+    fig, ax = _axes(ax, (10, 0.75 * len(events_per_rank) + 1.6))
     seen = set()
     for rank, rank_events in enumerate(events_per_rank):
-        for e in with_idle(rank_events):
-            # An event inside another one (a collective issued during backward) is drawn thinner, on top.
-            nested = any(o is not e and o.start <= e.start and e.end <= o.end for o in rank_events)
-            height = 0.4 if nested else 0.8
+        compute = [e for e in rank_events if e.kind != "comm"]
+        for e in with_idle(compute) + [e for e in rank_events if e.kind == "comm"]:
+            nested = e.kind != "comm" and any(o is not e and o.start <= e.start and e.end <= o.end for o in compute)
+            top, height = (rank + 0.04, 0.34) if e.kind == "comm" else (rank - 0.40, 0.40)
+            if nested:
+                top, height = top + 0.1, height - 0.2
             ax.broken_barh(
                 [(e.start * 1e3, max(e.duration, 0.0) * 1e3)],
-                (rank - height / 2, height),
+                (top, height),
                 facecolors=KIND_COLORS.get(e.kind, "black"),
                 edgecolor="white",
                 linewidth=0.3,
@@ -61,9 +66,9 @@ def plot_timeline(
             )
             seen.add(e.kind)
     ax.set_yticks(range(len(events_per_rank)), [f"rank {r}" for r in range(len(events_per_rank))])
-    ax.invert_yaxis()
+    ax.set_ylim(len(events_per_rank) - 0.5, -0.5)
     ax.set_xlabel("time since launch (ms)")
-    ax.set_title(title)
+    ax.set_title(title + "  (upper lane: compute, lower lane: collectives)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in KIND_COLORS if k in seen]
     ax.legend(handles, [k for k in KIND_COLORS if k in seen], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
@@ -71,10 +76,14 @@ def plot_timeline(
 
 
 def plot_memory(
-    measured: Sequence[dict], predicted: Sequence[dict] | None = None, ax=None, title: str = "Memory per rank"
+    measured: Sequence[dict],
+    predicted: Sequence[dict] | None = None,
+    ax=None,
+    title: str = "Memory per rank",
+    labels: Sequence[str] | None = None,
 ) -> plt.Figure:
-    """Per rank, a stacked bar of measured bytes (params, grads, optimizer, activations at their peak) and,
-    hatched beside it, the prediction; ``predicted`` has the same keys (``activations`` for the last)."""
+    """Per rank (or per ``labels`` entry), a stacked bar of measured bytes (params, grads, optimizer, activations at
+    their peak) and, hatched beside it, the prediction; ``predicted`` has the same keys (``activations`` last)."""
     fig, ax = _axes(ax, (max(5, 1.4 * len(measured) + 3), 4))
     bars = [("measured", measured, 0.0)] + ([("predicted", predicted, 0.38)] if predicted else [])
     top = max(sum(_mem_parts(m).values()) for _, rows, _ in bars for m in rows)
@@ -95,7 +104,7 @@ def plot_memory(
                     label=f"{cat}" if rank == 0 and label == "measured" else None,
                 )
                 bottom += value / scale
-    ax.set_xticks(range(len(measured)), [f"rank {r}" for r in range(len(measured))])
+    ax.set_xticks(range(len(measured)), labels or [f"rank {r}" for r in range(len(measured))])
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title + (" — solid: measured, hatched: predicted" if predicted else ""))
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
@@ -110,6 +119,33 @@ def _mem_parts(row: dict) -> dict:
         "optimizer": row.get("optimizer", 0),
         "activations": row.get("activations_peak", row.get("activations", 0)),
     }
+
+
+ZERO_STAGES = {0: "DP (baseline)", 1: "ZeRO-1\nP_os", 2: "ZeRO-2\nP_os+g", 3: "ZeRO-3\nP_os+g+p"}
+
+
+def plot_zero_memory(
+    params: float, dp: int, precision: str = "mixed", gpu_bytes: float | None = 80e9, ax=None
+) -> plt.Figure:
+    """Model-state memory per device for each ZeRO stage (Rajbhandari et al. 2020, Figure 1), stacked by category,
+    with one GPU's memory as a dotted line."""
+    fig, ax = _axes(ax, (7, 3.8))
+    rows = {stage: model_state_formula(params, precision, zero=stage, dp=dp) for stage in ZERO_STAGES}
+    scale, unit = byte_unit(max(sum(r.values()) for r in rows.values()))
+    for x, row in enumerate(rows.values()):
+        bottom = 0.0
+        for cat in CATEGORIES:
+            ax.bar(x, row[cat] / scale, 0.6, bottom=bottom, color=MEMORY_COLORS[cat], label=cat if x == 0 else None)
+            bottom += row[cat] / scale
+        ax.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=9)
+    if gpu_bytes:
+        ax.axhline(gpu_bytes / scale, color="black", ls=":", label=f"one GPU ({gpu_bytes / 1e9:.0f} GB)")
+    ax.set_xticks(range(len(rows)), list(ZERO_STAGES.values()))
+    ax.set_ylabel(f"model states per device ({unit})")
+    ax.set_title(f"{params / 1e9:g}B parameters, {precision} Adam, {dp} data-parallel devices")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
 
 
 def plot_comm(records: Sequence[CommRecord], ax=None, title: str = "Bytes sent per step, by collective") -> plt.Figure:

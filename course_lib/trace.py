@@ -68,11 +68,13 @@ def events() -> list[Event]:
     return list(_TIMELINE.events)
 
 
-def record(kind: str, name: str, start: float, end: float, **extra_tags) -> Event:
-    """Append a finished event (used by the comm ledger for collectives that complete later)."""
+def record(kind: str, name: str, start: float, end: float, tags_at_start: dict | None = None, **extra_tags) -> Event:
+    """Append a finished event with the tags in force now, or ``tags_at_start`` for work that began under other
+    tags (an async collective waited on later), plus ``extra_tags``."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; use one of {KINDS}")
-    event = Event(_TIMELINE.rank, kind, name, start, end, {**_TIMELINE.tags, **extra_tags})
+    base = _TIMELINE.tags if tags_at_start is None else tags_at_start
+    event = Event(_TIMELINE.rank, kind, name, start, end, {**base, **extra_tags})
     _TIMELINE.events.append(event)
     return event
 

@@ -3,6 +3,7 @@
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 from course_lib.models import TrainConfig  # noqa: E402
 from course_lib.plots import byte_unit, plot_comm, plot_memory, plot_timeline  # noqa: E402
@@ -28,3 +29,21 @@ def test_figures_of_a_real_run_are_labelled():
     assert comm.get_ylabel() == "bytes sent (kB)" and comm.get_xlabel() == "training step"
     heights = [p.get_height() for p in comm.patches]
     assert heights == [4 * run.report["params"] / 1e3] * 2
+
+
+def test_zero_memory_figure_shows_the_papers_four_totals():
+    from course_lib.plots import plot_zero_memory
+
+    ax = plot_zero_memory(7.5e9, 64).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["120.0", "31.4", "16.6", "1.9"]
+    assert ax.get_ylabel() == "model states per device (GB)"
+
+
+def test_zero_memory_explorer_redraws_for_its_sliders():
+    from course_lib.widgets import zero_memory_explorer
+
+    explorer = zero_memory_explorer(params=7.5e9, dp=64)
+    sliders = {w.description: w for w in explorer.children if hasattr(w, "description")}
+    assert sliders["N (devices)"].value == 64 and abs(sliders["Ψ (billions)"].value - 7.5) < 1e-9
+    sliders["N (devices)"].value = 8  # moving a slider redraws
+    assert plt.gcf().axes[0].get_title() == "7.5B parameters, mixed Adam, 8 data-parallel devices"

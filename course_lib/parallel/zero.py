@@ -161,6 +161,7 @@ class FullyShardedUnit:
         self._nbytes = full.untyped_storage().nbytes()
         self._pending: comm.Handle | None = None
         self.gathered = True
+        self.forward_started = 0.0
         self.free()
 
     def gather(self) -> None:
@@ -217,8 +218,11 @@ class FullyShardedDataParallel(DataParallelStrategy):
         unit.ensure_gathered()
         if self.prefetch and next_unit is not None:
             next_unit.gather()
+        unit.forward_started = trace.now()
 
     def _after_forward(self, unit: FullyShardedUnit, out: torch.Tensor, backward_next: FullyShardedUnit | None):
+        if unit is not self.root:  # the root unit's forward wraps the whole model, blocks included
+            trace.record("compute", f"{unit.name} forward", unit.forward_started, trace.now(), unit=unit.name)
         if self.reshard:
             unit.free()
         if out.requires_grad:

@@ -155,11 +155,19 @@ def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [batch_shard(tokens, k, count) for k in range(count)]
 
 
-def train_loop(strategy: DataParallelStrategy, cfg: GPTConfig, train: TrainConfig, grad_accum: int = 1) -> dict:
+def train_loop(
+    strategy: DataParallelStrategy,
+    cfg: GPTConfig,
+    train: TrainConfig,
+    grad_accum: int = 1,
+    measure_memory: bool = True,
+) -> dict:
     """Train ``strategy.model`` on this rank's share of each global batch; returns this rank's report.
 
     Each step: ``grad_accum`` micro-batches, forward and backward (loss scaled by 1/grad_accum, all but the last
     under ``no_sync``), then the strategy's gradient sync, the optimizer step, and the strategy's parameter sync.
+    ``measure_memory`` runs each step under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles
+    a CPU step; benchmarks turn it off.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     device = launch.rank_device()
@@ -169,7 +177,8 @@ def train_loop(strategy: DataParallelStrategy, cfg: GPTConfig, train: TrainConfi
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
         micro = list(zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True))
         step_loss = 0.0
-        with trace.tags(step=step), MemoryMeter(model, optimizer, device=device) as meter:
+        meter = MemoryMeter(model, optimizer, device=device) if measure_memory else None
+        with trace.tags(step=step), meter or contextlib.nullcontext():
             for k, (x, y) in enumerate(micro):
                 quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
                 with quiet, trace.tags(microbatch=k):
@@ -187,11 +196,16 @@ def train_loop(strategy: DataParallelStrategy, cfg: GPTConfig, train: TrainConfi
                 strategy.after_optimizer_step()
             launch.sync(device)
         losses.append(step_loss)
-    return {"losses": losses, "memory": meter.report().as_dict(), "coords": {"dp": rank}}
+    return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": {"dp": rank}}
 
 
 def train_data_parallel(
-    cfg: GPTConfig, train: TrainConfig, bucket_mb: float | None = 0.1, overlap: bool = True, grad_accum: int = 1
+    cfg: GPTConfig,
+    train: TrainConfig,
+    bucket_mb: float | None = 0.1,
+    overlap: bool = True,
+    grad_accum: int = 1,
+    measure_memory: bool = True,
 ) -> dict:
     """Rank function: data parallel training of the tiny GPT. ``bucket_mb=None`` is the naive scheme."""
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
@@ -202,5 +216,5 @@ def train_data_parallel(
         strategy = NaiveAllReduce(model, optimizer)
     else:
         strategy = BucketedAllReduce(model, optimizer, int(bucket_mb * 1e6), overlap)
-    report = train_loop(strategy, cfg, train, grad_accum)
+    report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": final_params(model)}

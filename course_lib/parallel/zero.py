@@ -269,17 +269,18 @@ def train_zero(
     overlap: bool = True,
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
+    measure_memory: bool = True,
 ) -> dict:
     """Rank function: ZeRO stage 1, 2 or 3 training of the tiny GPT."""
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
     if stage in (1, 2):
         strategy = ShardedOptimizer(model, train, stage, int(bucket_mb * 1e6), overlap)
-        report = train_loop(strategy, cfg, train, grad_accum)
+        report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
         return {**report, "params": final_params(model)}
     if stage != 3:
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
     strategy = FullyShardedDataParallel(model, train, prefetch=overlap, reshard_after_forward=reshard_after_forward)
-    report = train_loop(strategy, cfg, train, grad_accum)
+    report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": strategy.full_params()}
 
 

@@ -1,0 +1,38 @@
+"""PyTorch's own DDP and FSDP2 (``fully_shard``) train the tiny GPT (tied and frozen parameters) as the
+single-device reference does, and as our DP and ZeRO-3 do: the bridge from the course to production."""
+
+import functools
+
+import pytest
+
+from course_lib import launch
+from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
+from course_lib.production import train_ddp, train_fsdp2
+from course_lib.schemes import run_scheme
+
+TRAIN = TrainConfig(steps=3)
+# (PyTorch's rank function, its options, our scheme that does the same, that scheme's options)
+VARIANTS = [
+    (train_ddp, {}, "dp", {}),
+    (train_fsdp2, {}, "zero3", {}),
+    (train_fsdp2, {"reshard_after_forward": False}, "zero3", {"reshard_after_forward": False}),
+]
+IDS = ["ddp-vs-dp", "fsdp2-vs-zero3", "fsdp2-vs-zero3-no-reshard"]
+
+
+@functools.cache
+def reference() -> TrainResult:
+    return train_reference(GPTConfig(), TRAIN)
+
+
+@pytest.mark.parametrize(("fn", "options", "scheme", "scheme_options"), VARIANTS, ids=IDS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_pytorch_matches_one_device_and_our_scheme(fn, options, scheme, scheme_options, n):
+    result = launch.run(fn, n, GPTConfig(), TRAIN, **options)
+    losses = [sum(step) / n for step in zip(*(r["losses"] for r in result), strict=True)]
+    ours = run_scheme(scheme, n, train=TRAIN, **scheme_options).report["losses"]
+    for mine, theirs, single in zip(ours, losses, reference().losses, strict=True):
+        assert abs(theirs - single) <= 1e-5
+        assert abs(theirs - mine) <= 1e-5
+    for r in result:
+        assert rel_param_diff(r["params"], reference().params) <= 1e-5

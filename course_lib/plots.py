@@ -83,10 +83,12 @@ def plot_memory(
     labels: Sequence[str] | None = None,
 ) -> plt.Figure:
     """Per rank (or per ``labels`` entry), a stacked bar of measured bytes (params, grads, optimizer, activations at
-    their peak) and, hatched beside it, the prediction; ``predicted`` has the same keys (``activations`` last)."""
+    their peak) and, hatched beside it, the prediction; ``predicted`` has the same keys (``activations`` last).
+    A black line marks the measured peak: all of it live at once, plus temporaries (a layer's output, a gradient
+    bucket, a gathered unit)."""
     fig, ax = _axes(ax, (max(5, 1.4 * len(measured) + 3), 4))
     bars = [("measured", measured, 0.0)] + ([("predicted", predicted, 0.38)] if predicted else [])
-    top = max(sum(_mem_parts(m).values()) for _, rows, _ in bars for m in rows)
+    top = max(max(sum(_mem_parts(m).values()), m.get("peak", 0)) for _, rows, _ in bars for m in rows)
     scale, unit = byte_unit(top)
     width = 0.36 if predicted else 0.6
     for label, rows, offset in bars:
@@ -104,6 +106,18 @@ def plot_memory(
                     label=f"{cat}" if rank == 0 and label == "measured" else None,
                 )
                 bottom += value / scale
+    for rank, row in enumerate(measured):
+        if "peak" in row:  # everything live at the worst moment, temporaries included
+            x = rank - (0.19 if predicted else 0.0)
+            ax.hlines(
+                row["peak"] / scale,
+                x - width / 2,
+                x + width / 2,
+                colors="black",
+                linewidth=2,
+                label="measured peak" if rank == 0 else None,
+                zorder=4,
+            )
     ax.set_xticks(range(len(measured)), labels or [f"rank {r}" for r in range(len(measured))])
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title + (" — solid: measured, hatched: predicted" if predicted else ""))

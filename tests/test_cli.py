@@ -160,3 +160,19 @@ def test_run_flags_reach_the_scheme(capsys):
         main(["run", "dp", "--bucket-mb", "0"])
     with pytest.raises(SystemExit, match="takes no option"):
         main(["run", "zero3", "--bucket-mb", "1"])
+
+
+@pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.40625), (2, 16.640625), (3, 1.875)])
+def test_memory_reproduces_the_zero_paper_for_every_stage(capsys, stage, gb):
+    data = run_json(capsys, "memory", "--params", "7.5e9", "--precision", "mixed", "--zero", str(stage), "--dp", "64")
+    assert data["bytes_per_device"]["total"] == gb * 1e9
+
+
+@pytest.mark.parametrize("dp", [1, 8, 1000])
+def test_memory_zero_stages_for_any_psi_and_degree(capsys, dp):
+    psi = 3e9
+    for stage, expected in enumerate([16 * psi, 4 * psi + 12 * psi / dp, 2 * psi + 14 * psi / dp, 16 * psi / dp]):
+        data = run_json(
+            capsys, "memory", "--params", "3e9", "--precision", "mixed", "--zero", str(stage), "--dp", str(dp)
+        )
+        assert data["bytes_per_device"]["total"] == pytest.approx(expected, rel=1e-12)

@@ -168,7 +168,7 @@ def cmd_demo(args) -> int:
                 name,
                 n,
                 run.report["max_abs_loss_diff"],
-                run.report["max_abs_param_diff"],
+                run.report["rel_param_diff"],
                 state,
                 r0["memory"]["activations_peak"],
                 sum(c["bytes"] for c in r0["comm"].values()),
@@ -180,11 +180,12 @@ def cmd_demo(args) -> int:
     _say(
         args, f"course_lib demo: the tiny GPT ({reports[0]['params']:,} parameters), {train.steps} steps, {args.dtype}"
     )
-    header = f"{'scheme':<8}{'ranks':>6}{'loss diff':>12}{'param diff':>12}{'states/rank':>14}{'activ./rank':>13}"
+    header = f"{'scheme':<8}{'ranks':>6}{'loss diff':>12}{'param err':>12}{'states/rank':>14}{'activ./rank':>13}"
     _say(args, header + f"{'sent/rank/step':>16}")
     for name, n, dl, dp, state, act, sent in rows:
         _say(args, f"{name:<8}{n:>6}{dl:>12.2e}{dp:>12.2e}{state:>14,}{act:>13,}{sent:>16,.0f}")
-    _say(args, "(bytes; diffs are against the single-device reference trainer)")
+    _say(args, "(bytes; loss diff: largest |difference| of a step's loss; param err: ||params - reference|| /")
+    _say(args, " ||reference||, both against the single-device reference trainer)")
     if args.plot:
         _say(args, f"plots and Chrome traces (open in ui.perfetto.dev) written to {os.path.abspath(args.plot)}/")
     _say(args, f"demo took {time.perf_counter() - started:.1f} s")

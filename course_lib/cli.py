@@ -118,7 +118,14 @@ def cmd_run(args) -> int:
     world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or 4)
     try:
         run = run_scheme(
-            args.scheme, world_size, GPTConfig(), _train_config(args), backend=args.backend, **_scheme_options(args)
+            args.scheme,
+            world_size,
+            GPTConfig(),
+            _train_config(args),
+            backend=args.backend,
+            hardware=args.hardware,
+            gpus_per_node=args.gpus_per_node,
+            **_scheme_options(args),
         )
     except ValueError as err:
         raise SystemExit(f"run {args.scheme}: {err}") from None
@@ -136,8 +143,39 @@ def cmd_run(args) -> int:
     _say(args, "  bytes per rank, last step:")
     for line in _rank_table(report):
         _say(args, line)
+    if run.modeled is not None:
+        m = report["modeled"]
+        _say(args, f"  modeled on {m['hardware']} ({m['gpus_per_node']} GPUs per node), last step:")
+        _say(
+            args,
+            f"    step {m['step_time_s'] * 1e6:.2f} us   compute {m['compute_s'] * 1e6:.2f} us   "
+            f"comm {m['comm_s'] * 1e6:.2f} us   exposed comm {m['exposed_comm_s'] * 1e6:.2f} us   "
+            f"bubble {m['bubble_fraction']:.1%}   (means over ranks; step = makespan)",
+        )
     if args.plot:
         _say(args, "  wrote " + ", ".join(_save_plots(run, args.plot)))
+    return 0
+
+
+def cmd_hardware(args) -> int:
+    from course_lib.hardware import PROFILES
+
+    data = {name: {k: v for k, v in vars(p).items() if k != "name"} for name, p in PROFILES.items()}
+    _write_json(data, args.json)
+    for name, p in PROFILES.items():
+        _say(args, f"{name}: {p.description}")
+        _say(
+            args,
+            f"  peak bf16 {p.peak_flops['bf16'] / 1e12:g} TFLOP/s, fp32 {p.peak_flops['fp32'] / 1e12:g} TFLOP/s; "
+            f"{p.memory_bytes / 1e9:g} GB; {p.gpus_per_node} GPUs per node",
+        )
+        _say(
+            args,
+            f"  per GPU: intra-node {p.intra_bandwidth / 1e9:g} GB/s, {p.intra_latency_s * 1e6:g} us; "
+            f"inter-node {p.inter_bandwidth / 1e9:g} GB/s, {p.inter_latency_s * 1e6:g} us",
+        )
+        for source in p.sources:
+            _say(args, f"  source: {source}")
     return 0
 
 
@@ -237,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-reshard", action="store_true", help="zero3: keep gathered parameters from forward to backward"
     )
+    run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
+    run.add_argument("--gpus-per-node", type=int, help="with --hardware: GPUs per node (default: the profile's)")
     training_flags(run)
     run.set_defaults(func=cmd_run)
 
@@ -245,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     training_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
-    for p in (mem, run, demo):
+    hw = sub.add_parser("hardware", help="list the hardware profiles of the modeled clock")
+    hw.set_defaults(func=cmd_hardware)
+
+    for p in (mem, run, demo, hw):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     return parser
 

@@ -56,6 +56,7 @@ class CommRecord:
     op: str
     group: str
     group_size: int
+    ranks: tuple[int, ...]  # the group's members, as global ranks
     tensor_bytes: int
     sent_bytes: float
     start: float
@@ -111,15 +112,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Handle:
     """An async collective in flight; :meth:`wait` blocks until it is done and closes its ledger record."""
 
-    def __init__(self, work, record: CommRecord, describe: str) -> None:
+    def __init__(self, work, record: CommRecord, index: int, describe: str) -> None:
         self._work = work
         self._record = record
+        self._index = index
         self._describe = describe
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
+        trace.waiting(self._index)
         _tell(f"waiting for {self._describe}")
         self._work.wait()
         _finish(self._record, self._describe)
@@ -147,10 +150,12 @@ def _call(
     sent_bytes: float | None = None,
 ) -> Handle | None:
     n = dist.get_world_size(group)
+    members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
     rec = CommRecord(
         op=op,
         group=group_name(group),
         group_size=n,
+        ranks=tuple(members),
         tensor_bytes=tensor_bytes,
         sent_bytes=ring_factor(op, n) * tensor_bytes if sent_bytes is None else sent_bytes,
         start=trace.now(),
@@ -160,12 +165,16 @@ def _call(
         tags=trace.current_tags(),
     )
     _LEDGER.records.append(rec)
+    index = len(_LEDGER.records) - 1
     where = f" with rank {peer}" if peer is not None else ""
-    describe = f"{op} #{len(_LEDGER.records)} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
+    describe = f"{op} #{index + 1} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
+    trace.issued(index)
+    if not async_op:
+        trace.waiting(index)
     _tell(f"in {describe}")
     work = issue()
     if async_op:
-        return Handle(work, rec, describe)
+        return Handle(work, rec, index, describe)
     _finish(rec, describe)
     return None
 

@@ -63,13 +63,15 @@ class RunResult(list):
     """The per-rank return values in rank order, with each rank's ledger attached.
 
     ``comm[r]`` is rank r's list of :class:`course_lib.comm.CommRecord`, ``events[r]`` its timeline
-    (:class:`course_lib.trace.Event`), ``wall_s`` the seconds from launch to the last result.
+    (:class:`course_lib.trace.Event`), ``programs[r]`` its program (compute, issue, wait; see
+    :mod:`course_lib.trace`), ``wall_s`` the seconds from launch to the last result.
     """
 
-    def __init__(self, values, comm_records, events, backend: str, wall_s: float) -> None:
+    def __init__(self, values, comm_records, events, programs, backend: str, wall_s: float) -> None:
         super().__init__(values)
         self.comm = comm_records
         self.events = events
+        self.programs = programs
         self.backend = backend
         self.world_size = len(values)
         self.wall_s = wall_s
@@ -117,10 +119,20 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0, **kwargs) -> RunResult:
+def run(
+    fn,
+    world_size: int,
+    *args,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    count_flops: bool = False,
+    **kwargs,
+) -> RunResult:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their values in rank order.
 
     ``timeout`` (seconds) bounds the whole run: a rank still running then is reported and killed.
+    ``count_flops`` counts every operator's FLOPs into the ranks' programs (needed to replay them on a modeled
+    cluster, :func:`course_lib.hardware.replay`; it slows CPU ranks down about as much as the memory meter).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
@@ -129,12 +141,22 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.
     if _IN_RANK:
         raise RuntimeError("run() was called inside a rank function; launch ranks from the top level only")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
-    return _run_local(fn, world_size, args, kwargs, resolve_backend(backend, world_size), timeout)
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops)
+    return _run_local(fn, world_size, args, kwargs, resolve_backend(backend, world_size), timeout, count_flops)
+
+
+def _call(fn, args, kwargs, count_flops: bool):
+    with trace.FlopCounter() if count_flops else contextlib.nullcontext():
+        return fn(*args, **kwargs)
+
+
+def _ledgers(value) -> tuple:
+    """What a rank sends back: its value, comm records, timeline events and program."""
+    return value, comm.records(), trace.events(), trace.program()
 
 
 # ----------------------------------------------------------------------------------------------- torchrun
-def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
     global _DEVICE
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -153,11 +175,11 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> RunRe
     started = time.perf_counter()
     trace.reset(dist.get_rank(), started)
     comm.reset()
-    value = fn(*args, **kwargs)
+    value = _call(fn, args, kwargs, count_flops)
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (value, comm.records(), trace.events()))
-    values, records, events = (list(x) for x in zip(*gathered, strict=True))
-    return RunResult(values, records, events, backend, time.perf_counter() - started)
+    dist.all_gather_object(gathered, _ledgers(value))
+    values, records, events, programs = (list(x) for x in zip(*gathered, strict=True))
+    return RunResult(values, records, events, programs, backend, time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------------------------- local ranks
@@ -186,7 +208,7 @@ def _payload(fn, args, kwargs) -> bytes:
             cloudpickle.unregister_pickle_by_value(module)
 
 
-def _run_local(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
+def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
     ctx = _context()
     payload = _payload(fn, args, kwargs)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
@@ -200,7 +222,19 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, store.port, payload, child_conn, status, backend, timeout, epoch, threads),
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    payload,
+                    child_conn,
+                    status,
+                    backend,
+                    timeout,
+                    epoch,
+                    threads,
+                    count_flops,
+                ),
                 name=f"course_lib-rank{rank}",
                 daemon=True,
             )
@@ -211,8 +245,8 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout) -> RunResult:
     finally:
         _reap(ranks)
         del store
-    values, records, events = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
-    return RunResult(list(values), list(records), list(events), backend, time.perf_counter() - epoch)
+    values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
+    return RunResult(list(values), list(records), list(events), list(programs), backend, time.perf_counter() - epoch)
 
 
 def _collect(ranks: list[_RankState], deadline: float, timeout: float, status) -> None:
@@ -369,7 +403,7 @@ class _PipeWriter(io.TextIOBase):
             self._conn.send(("out", lines))
 
 
-def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, epoch, threads) -> None:
+def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, epoch, threads, count_flops) -> None:
     global _DEVICE, _IN_RANK
     _IN_RANK = True
     lock = threading.Lock()
@@ -393,9 +427,9 @@ def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, 
         comm.reset()
         comm.set_status_sink(tell)
         fn, args, kwargs = cloudpickle.loads(payload)
-        value = fn(*args, **kwargs)
+        value = _call(fn, args, kwargs, count_flops)
         sys.stdout.flush()
-        body = cloudpickle.dumps((value, comm.records(), trace.events()))
+        body = cloudpickle.dumps(_ledgers(value))
         with lock:
             conn.send(("ok", body))
         dist.destroy_process_group()

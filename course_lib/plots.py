@@ -41,13 +41,28 @@ def _axes(ax, size):
     return ax.figure, ax
 
 
+def time_unit(max_seconds: float) -> tuple[float, str]:
+    """The (multiplier, name) of seconds, milliseconds or microseconds that suits ``max_seconds``."""
+    for factor, name in ((1.0, "s"), (1e3, "ms"), (1e6, "µs")):
+        if max_seconds * factor >= 1:
+            return factor, name
+    return 1e9, "ns"
+
+
 def plot_timeline(
-    events_per_rank: Sequence[Sequence[Event]], ax=None, title: str = "What each rank did (wall clock)"
+    events_per_rank: Sequence[Sequence[Event]],
+    ax=None,
+    title: str = "What each rank did",
+    clock: str = "wall clock",
 ) -> plt.Figure:
     """Two lanes per rank, as a profiler shows streams: compute above (gaps drawn as idle; an event inside
-    another, such as one block's forward inside the forward pass, drawn thinner on top) and collectives below,
-    from when they were issued to when they were waited for."""
+    another, such as one block's forward inside the forward pass, drawn thinner on top) and collectives below.
+    On the wall clock a collective runs from its issue to its wait; on a modeled clock (``clock="modeled: h100"``)
+    from when its data starts to move to when it is done."""
     fig, ax = _axes(ax, (10, 0.75 * len(events_per_rank) + 1.6))
+    origin = min((e.start for rank_events in events_per_rank for e in rank_events), default=0.0)
+    extent = max((e.end for rank_events in events_per_rank for e in rank_events), default=0.0) - origin
+    factor, unit = time_unit(extent)
     seen = set()
     for rank, rank_events in enumerate(events_per_rank):
         compute = [e for e in rank_events if e.kind != "comm"]
@@ -57,7 +72,7 @@ def plot_timeline(
             if nested:
                 top, height = top + 0.1, height - 0.2
             ax.broken_barh(
-                [(e.start * 1e3, max(e.duration, 0.0) * 1e3)],
+                [((e.start - origin) * factor, max(e.duration, 0.0) * factor)],
                 (top, height),
                 facecolors=KIND_COLORS.get(e.kind, "black"),
                 edgecolor="white",
@@ -67,11 +82,32 @@ def plot_timeline(
             seen.add(e.kind)
     ax.set_yticks(range(len(events_per_rank)), [f"rank {r}" for r in range(len(events_per_rank))])
     ax.set_ylim(len(events_per_rank) - 0.5, -0.5)
-    ax.set_xlabel("time since launch (ms)")
-    ax.set_title(title + "  (upper lane: compute, lower lane: collectives)", fontsize=10)
+    ax.set_xlabel(f"{clock}: time ({unit}) from the first event shown")
+    ax.set_title(f"{title} ({clock})\nupper lane: compute, lower lane: collectives", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in KIND_COLORS if k in seen]
     ax.legend(handles, [k for k in KIND_COLORS if k in seen], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
+def plot_clocks(wall: Sequence[Sequence[Event]], modeled, title: str = "One step") -> plt.Figure:
+    """The same events on the wall clock (this machine) above and on a modeled cluster below
+    (``modeled`` is a :class:`course_lib.hardware.ModeledRun`; both show its step)."""
+    n = len(wall)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.5 * n + 3.2), layout="constrained")
+
+    def step_only(per_rank):
+        return [
+            [e for e in events if modeled.step is None or e.tags.get("step") == modeled.step] for events in per_rank
+        ]
+
+    plot_timeline(step_only(wall), ax=top, title=title)
+    plot_timeline(
+        step_only(modeled.events),
+        ax=bottom,
+        title=title,
+        clock=f"modeled: {modeled.hardware}, {modeled.gpus_per_node} GPUs per node",
+    )
     return fig
 
 
@@ -196,10 +232,12 @@ def save_run_figures(run, folder) -> list[str]:
     name = f"{run.report['scheme']}_n{run.report['world_size']}"
     memory = [r["memory"] for r in run.report["ranks"]]
     figures = {
-        f"{name}_timeline.png": plot_timeline(run.result.events, title=f"{name}: what each rank did (wall clock)"),
+        f"{name}_timeline.png": plot_timeline(run.result.events, title=f"{name}: what each rank did"),
         f"{name}_memory.png": plot_memory(memory, run.predicted_memory, title=f"{name}: memory per rank"),
         f"{name}_comm.png": plot_comm(run.result.comm[0], title=f"{name}: bytes rank 0 sent per step"),
     }
+    if run.modeled is not None:
+        figures[f"{name}_clocks.png"] = plot_clocks(run.result.events, run.modeled, title=f"{name}: last step")
     written = []
     for filename, fig in figures.items():
         fig.savefig(folder / filename, dpi=110)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
+from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.memory import tiny_gpt_activation_bytes
 from course_lib.models import (
     GPTConfig,
@@ -58,12 +59,14 @@ ALIASES = {"fsdp": "zero3"}
 @dataclass
 class SchemeRun:
     """``report`` is the JSON-ready summary; ``result`` the launcher's RunResult (timelines, ledgers);
-    ``predicted_memory`` and ``predicted_comm`` the formulas' bytes per rank."""
+    ``predicted_memory`` and ``predicted_comm`` the formulas' bytes per rank; ``modeled`` the replay on a modeled
+    cluster when one was asked for."""
 
     report: dict
     result: launch.RunResult
     predicted_memory: list[dict]
     predicted_comm: dict
+    modeled: ModeledRun | None = None
 
 
 def validate(scheme: str, world_size: int, train: TrainConfig, options: dict) -> Scheme:
@@ -163,11 +166,27 @@ def run_scheme(
     train: TrainConfig = TrainConfig(),
     backend: str = "auto",
     timeout: float = 120.0,
+    hardware: str | None = None,
+    gpus_per_node: int | None = None,
     **options,
 ) -> SchemeRun:
-    """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`."""
+    """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
+    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster."""
     spec = validate(scheme, world_size, train, options)
-    result = launch.run(spec.rank_fn, world_size, cfg, train, backend=backend, timeout=timeout, **spec.fixed, **options)
+    profile = get_profile(hardware) if hardware is not None else None
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
+    result = launch.run(
+        spec.rank_fn,
+        world_size,
+        cfg,
+        train,
+        backend=backend,
+        timeout=timeout,
+        count_flops=profile is not None,
+        **spec.fixed,
+        **options,
+    )
     reference = train_reference(cfg, train)
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
@@ -206,9 +225,15 @@ def run_scheme(
     }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
+    modeled = replay(result.programs, result.comm, profile, gpus_per_node) if profile is not None else None
+    if modeled is not None:
+        report["modeled"] = modeled.summary()
+        for rank, numbers in zip(report["ranks"], modeled.per_rank(), strict=True):
+            rank["modeled"] = {k: v for k, v in numbers.items() if k != "rank"}
     return SchemeRun(
         report,
         result,
         predict_memory(spec.name, world_size, cfg, train, options),
         predict_comm(spec.name, world_size, cfg, train, options),
+        modeled,
     )

@@ -5,6 +5,11 @@ with :func:`span`; tags (step, phase, layer, microbatch) set with :func:`tags` a
 record opened inside. Times are seconds since the run's epoch, which the launcher shares between the ranks so that
 their timelines line up. :func:`to_chrome_trace` writes all ranks to a Chrome-trace JSON that Perfetto
 (ui.perfetto.dev) and chrome://tracing open.
+
+Beside the events each rank keeps its *program*: in the order it ran, the compute between two communication
+points (:class:`Compute`, with its FLOPs when :class:`FlopCounter` is on), each collective it issued
+(:class:`Issue`) and each one it waited for (:class:`Wait`). :mod:`course_lib.hardware` replays programs on a
+modeled cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 KINDS = ("forward", "backward", "weight_grad", "optimizer", "compute", "comm", "idle")
 
@@ -35,12 +45,42 @@ class Event:
         return self.end - self.start
 
 
+@dataclass
+class Compute:
+    """Work between two communication points: ``flops`` of matrix products (torch's FLOP formulas) and
+    ``elementwise`` operations counted as one FLOP per output element (a floor for the rest)."""
+
+    kind: str
+    start: float
+    end: float
+    flops: int = 0
+    elementwise: int = 0
+    tags: dict = field(default_factory=dict)
+
+
+@dataclass
+class Issue:
+    """The rank issued its comm record number ``record``."""
+
+    record: int
+
+
+@dataclass
+class Wait:
+    """The rank blocked until its comm record number ``record`` was done."""
+
+    record: int
+
+
 class _Timeline:
     def __init__(self) -> None:
         self.rank = 0
         self.epoch = time.perf_counter()
         self.events: list[Event] = []
         self.tags: dict = {}
+        self.program: list[Compute | Issue | Wait] = []
+        self.kinds: list[str] = []  # the open spans' kinds, innermost last
+        self.segment = Compute("compute", 0.0, 0.0)
 
 
 _TIMELINE = _Timeline()
@@ -52,6 +92,50 @@ def reset(rank: int = 0, epoch: float | None = None) -> None:
     _TIMELINE.epoch = time.perf_counter() if epoch is None else epoch
     _TIMELINE.events = []
     _TIMELINE.tags = {}
+    _TIMELINE.program = []
+    _TIMELINE.kinds = []
+    _TIMELINE.segment = Compute("compute", now(), now())
+
+
+def _next_segment() -> None:
+    """Close the compute segment in progress (if it did anything) and open the next one."""
+    seg, t = _TIMELINE.segment, now()
+    if seg.flops or seg.elementwise:
+        seg.end = t
+        _TIMELINE.program.append(seg)
+    _TIMELINE.segment = Compute(_TIMELINE.kinds[-1] if _TIMELINE.kinds else "compute", t, t, tags=dict(_TIMELINE.tags))
+
+
+def issued(record: int) -> None:
+    """Program order: comm record ``record`` was issued here (called by :mod:`course_lib.comm`)."""
+    _next_segment()
+    _TIMELINE.program.append(Issue(record))
+
+
+def waiting(record: int) -> None:
+    """Program order: the rank blocks here until comm record ``record`` is done."""
+    _next_segment()
+    _TIMELINE.program.append(Wait(record))
+
+
+def program() -> list[Compute | Issue | Wait]:
+    """This rank's program so far (see the module docstring)."""
+    _next_segment()
+    return list(_TIMELINE.program)
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts the FLOPs of every operator into the compute segment in progress (``with FlopCounter(): ...``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        seg = _TIMELINE.segment
+        if func._overloadpacket in flop_registry:
+            seg.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        elif not func.is_view:
+            seg.elementwise += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
 
 def now() -> float:
@@ -84,18 +168,25 @@ def tags(**new_tags) -> Iterator[None]:
     """Attach tags (e.g. ``step=3, phase="backward"``) to every event and comm record opened inside."""
     saved = _TIMELINE.tags
     _TIMELINE.tags = {**saved, **new_tags}
+    _next_segment()  # the segment in progress keeps the tags it started with; the next one gets the new ones
     try:
         yield
     finally:
         _TIMELINE.tags = saved
+        _next_segment()
 
 
 @contextlib.contextmanager
 def span(kind: str, name: str = "", **span_tags) -> Iterator[None]:
     """Time the body as one event of ``kind``; the tags also apply to everything recorded inside."""
     start = now()
-    with tags(**span_tags):
-        yield
+    _TIMELINE.kinds.append(kind)
+    try:
+        with tags(**span_tags):
+            yield
+    finally:
+        _TIMELINE.kinds.pop()
+        _next_segment()
     record(kind, name or kind, start, now(), **span_tags)
 
 

@@ -176,3 +176,30 @@ def test_memory_zero_stages_for_any_psi_and_degree(capsys, dp):
             capsys, "memory", "--params", "3e9", "--precision", "mixed", "--zero", str(stage), "--dp", str(dp)
         )
         assert data["bytes_per_device"]["total"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_run_with_hardware_adds_the_modeled_section(capsys):
+    data = run_json(
+        capsys, "run", "dp", "--world-size", "2", "--steps", "2", "--hardware", "h100", "--gpus-per-node", "1"
+    )
+    modeled = data["modeled"]
+    assert set(modeled) == {
+        "hardware",
+        "gpus_per_node",
+        "step_time_s",
+        "compute_s",
+        "comm_s",
+        "exposed_comm_s",
+        "bubble_fraction",
+    }
+    assert modeled["hardware"] == "h100" and modeled["gpus_per_node"] == 1
+    assert 0 < modeled["compute_s"] < modeled["step_time_s"]
+    assert all({"step_time_s", "exposed_comm_s", "bubble_fraction"} <= set(r["modeled"]) for r in data["ranks"])
+    with pytest.raises(SystemExit, match="unknown hardware 'tpu'"):
+        main(["run", "dp", "--hardware", "tpu"])
+
+
+def test_hardware_lists_profiles_with_sources(capsys):
+    data = run_json(capsys, "hardware")
+    assert {"h100", "a100", "pcie"} <= set(data)
+    assert data["h100"]["gpus_per_node"] == 8 and data["h100"]["sources"]

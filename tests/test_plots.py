@@ -17,7 +17,7 @@ def test_byte_units_are_decimal():
 def test_figures_of_a_real_run_are_labelled():
     run = run_scheme("dp", 2, train=TrainConfig(steps=2))
     timeline = plot_timeline(run.result.events).axes[0]
-    assert timeline.get_xlabel() == "time since launch (ms)"
+    assert timeline.get_xlabel() == "wall clock: time (ms) from the first event shown"
     assert [t.get_text() for t in timeline.get_yticklabels()] == ["rank 0", "rank 1"]
     assert {t.get_text() for t in timeline.get_legend().get_texts()} >= {"forward", "backward", "optimizer", "comm"}
 
@@ -47,3 +47,12 @@ def test_zero_memory_explorer_redraws_for_its_sliders():
     assert sliders["N (devices)"].value == 64 and abs(sliders["Ψ (billions)"].value - 7.5) < 1e-9
     sliders["N (devices)"].value = 8  # moving a slider redraws
     assert plt.gcf().axes[0].get_title() == "7.5B parameters, mixed Adam, 8 data-parallel devices"
+
+
+def test_both_clocks_side_by_side_use_their_own_units():
+    from course_lib.plots import plot_clocks
+
+    run = run_scheme("dp", 2, train=TrainConfig(steps=2), hardware="h100", gpus_per_node=1)
+    wall, modeled = plot_clocks(run.result.events, run.modeled).axes
+    assert wall.get_xlabel() == "wall clock: time (ms) from the first event shown"
+    assert modeled.get_xlabel() == "modeled: h100, 1 GPU per node: time (µs) from the first event shown"

@@ -1,0 +1,285 @@
+"""The modeled clock: replay what the ranks really did on a modeled GPU cluster.
+
+Every rank's program (:mod:`course_lib.trace`: compute segments with their counted FLOPs, and the collectives it
+issued and waited for, in order) is replayed by a small discrete-event simulation:
+
+* compute takes FLOPs / (peak x ``efficiency``) on the rank's own clock;
+* a collective starts when every member of its group has issued it and the group's previous collective is done
+  (a communicator runs its collectives in order), and takes the ring time on the slowest link of the group:
+  (bytes a rank sends) / (link bandwidth) + (ring steps) x (link latency), the link being NVLink-class when all
+  members share a node and the inter-node network otherwise (ranks fill nodes in order, ``gpus_per_node`` each);
+* a point-to-point message starts when both the send and the receive are posted;
+* a rank that waits for a collective blocks until it is done; an async collective overlaps the compute issued
+  between it and its wait.
+
+Per rank the replay reports, for one step, the modeled timeline (the same event kinds as the wall clock), the step
+time, compute, comm (time its collectives were moving data), exposed comm (time blocked while data moved), idle
+(time blocked waiting for other ranks) and the bubble fraction idle / step time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from course_lib.comm import CommRecord
+from course_lib.trace import Compute, Event, Issue, Wait
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One kind of node; bandwidths are per GPU and per direction, in bytes/s."""
+
+    name: str
+    description: str
+    peak_flops: dict  # dense, by precision ("bf16", "fp32")
+    memory_bytes: float
+    gpus_per_node: int
+    intra_bandwidth: float
+    intra_latency_s: float
+    inter_bandwidth: float
+    inter_latency_s: float
+    sources: tuple[str, ...] = field(default=())
+
+
+PROFILES = {
+    "h100": HardwareProfile(
+        name="h100",
+        description="DGX H100: 8x H100 SXM5 80 GB, NVLink 4 / NVSwitch, one 400 Gb/s NDR InfiniBand NIC per GPU",
+        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        memory_bytes=80e9,
+        gpus_per_node=8,
+        intra_bandwidth=450e9,  # NVLink 4: 900 GB/s per GPU, both directions together
+        intra_latency_s=2e-6,
+        inter_bandwidth=50e9,  # 400 Gb/s ConnectX-7 per GPU
+        inter_latency_s=5e-6,
+        sources=(
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP32 67 TFLOPS, 80 GB HBM3, "
+            "NVLink 900 GB/s)",
+            "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s InfiniBand for the compute fabric)",
+        ),
+    ),
+    "a100": HardwareProfile(
+        name="a100",
+        description="DGX A100: 8x A100 SXM4 80 GB, NVLink 3 / NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU",
+        peak_flops={"bf16": 312e12, "fp32": 19.5e12},
+        memory_bytes=80e9,
+        gpus_per_node=8,
+        intra_bandwidth=300e9,  # NVLink 3: 600 GB/s per GPU, both directions together
+        intra_latency_s=2e-6,
+        inter_bandwidth=25e9,  # 200 Gb/s ConnectX-6 per GPU
+        inter_latency_s=5e-6,
+        sources=(
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
+            "NVLink 600 GB/s)",
+            "NVIDIA DGX A100 user guide (8x ConnectX-6 200 Gb/s HDR InfiniBand)",
+        ),
+    ),
+    "pcie": HardwareProfile(
+        name="pcie",
+        description="8x L40S 48 GB on PCIe Gen4 x16 (no NVLink), two 100 Gb/s Ethernet ports per node",
+        peak_flops={"bf16": 362e12, "fp32": 91.6e12},
+        memory_bytes=48e9,
+        gpus_per_node=8,
+        intra_bandwidth=32e9,  # PCIe Gen4 x16: 64 GB/s both directions together
+        intra_latency_s=3e-6,
+        inter_bandwidth=25e9 / 8,  # 2 x 100 Gb/s per node, shared by 8 GPUs (an assumed, common build)
+        inter_latency_s=10e-6,
+        sources=(
+            "NVIDIA L40S datasheet (BF16 362 TFLOPS dense, FP32 91.6 TFLOPS, 48 GB, PCIe Gen4 x16 64 GB/s)",
+            "Latencies of all three profiles: assumed, of the order of NCCL-tests small-message times",
+        ),
+    ),
+}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES)} (python -m course_lib hardware)")
+    return PROFILES[name]
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Latency terms a ring pays: n-1 steps per reduce-scatter or all-gather half, one per message."""
+    if op in ("send", "recv"):
+        return 1
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+def link(profile: HardwareProfile, ranks, gpus_per_node: int) -> tuple[float, float, bool]:
+    """(bandwidth, latency, spans nodes) of the slowest link a group of global ranks uses."""
+    spans = len({r // gpus_per_node for r in ranks}) > 1
+    if spans:
+        return profile.inter_bandwidth, profile.inter_latency_s, True
+    return profile.intra_bandwidth, profile.intra_latency_s, False
+
+
+def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring time: the bytes one rank sends over the link's bandwidth, plus one latency per ring step."""
+    return sent_bytes / bandwidth + ring_steps(op, n) * latency
+
+
+@dataclass
+class ModeledRank:
+    rank: int
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    idle_s: float
+    bubble_fraction: float
+
+
+@dataclass
+class ModeledRun:
+    """The replay: each rank's modeled events (all steps) and its numbers for ``step``; ``step_time_s`` is the
+    step's makespan over all ranks."""
+
+    hardware: str
+    gpus_per_node: int
+    step: int | None
+    step_time_s: float
+    events: list[list[Event]]
+    ranks: list[ModeledRank]
+
+    def summary(self) -> dict:
+        """The JSON section ``modeled``: the step's makespan; compute, comm, exposed comm and bubble fraction
+        averaged over the ranks."""
+        mean = {
+            key: sum(getattr(r, key) for r in self.ranks) / len(self.ranks)
+            for key in ("compute_s", "comm_s", "exposed_comm_s", "bubble_fraction")
+        }
+        return {"hardware": self.hardware, "gpus_per_node": self.gpus_per_node, "step_time_s": self.step_time_s, **mean}
+
+    def per_rank(self) -> list[dict]:
+        return [asdict(r) for r in self.ranks]
+
+
+def _match(records_per_rank: list[list[CommRecord]]) -> tuple[list[list[tuple]], dict]:
+    """A key per record, equal on every rank taking part in the same collective (the k-th call on a group, or
+    the k-th message from one rank to another), and for each key the members' record indices."""
+    keys, members = [], defaultdict(dict)
+    for rank, records in enumerate(records_per_rank):
+        count: dict = defaultdict(int)
+        mine = []
+        for i, rec in enumerate(records):
+            if rec.op in ("send", "recv"):
+                group = ("p2p", *((rank, rec.peer) if rec.op == "send" else (rec.peer, rank)))
+            else:
+                group = ("group", *rec.ranks)
+            key = (group, count[group])
+            count[group] += 1
+            mine.append(key)
+            members[key][rank] = i
+        keys.append(mine)
+    return keys, members
+
+
+def replay(
+    programs: list[list],
+    records: list[list[CommRecord]],
+    hardware: str | HardwareProfile = "h100",
+    gpus_per_node: int | None = None,
+    efficiency: float = 0.5,
+    precision: str = "bf16",
+    step: int | None = -1,
+) -> ModeledRun:
+    """Replay the ranks' programs on ``hardware``; report ``step`` (-1: the last; None: the whole run)."""
+    profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
+    per_node = gpus_per_node or profile.gpus_per_node
+    if per_node < 1:
+        raise ValueError(f"gpus_per_node must be at least 1, not {per_node}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
+    rate = profile.peak_flops[precision] * efficiency
+    n = len(programs)
+    keys, members = _match(records)
+    arrived: dict = defaultdict(dict)  # key -> {rank: time it issued}
+    done: dict = {}  # key -> (start, end) of the data movement
+    group_free: dict = defaultdict(float)  # a group's collectives run one after another
+    clock, pc = [0.0] * n, [0] * n
+    events: list[list[Event]] = [[] for _ in range(n)]
+    blocked: list[list[tuple]] = [[] for _ in range(n)]  # (tags, wait start, data start, end)
+
+    def try_start(key) -> None:
+        group = key[0]
+        ranks = group[1:]
+        if len(arrived[key]) < len(ranks):
+            return
+        bandwidth, latency, _ = link(profile, ranks, per_node)
+        sent = max(records[r][i].sent_bytes for r, i in members[key].items())
+        op = records[ranks[0]][members[key][ranks[0]]].op
+        start = max(max(arrived[key].values()), group_free[group])
+        done[key] = (start, start + collective_time(op, sent, len(ranks), bandwidth, latency))
+        group_free[group] = done[key][1]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            while pc[r] < len(programs[r]):
+                entry = programs[r][pc[r]]
+                if isinstance(entry, Compute):
+                    seconds = (entry.flops + entry.elementwise) / rate
+                    events[r].append(Event(r, entry.kind, entry.kind, clock[r], clock[r] + seconds, entry.tags))
+                    clock[r] += seconds
+                elif isinstance(entry, Issue):
+                    arrived[keys[r][entry.record]][r] = clock[r]
+                    try_start(keys[r][entry.record])
+                elif isinstance(entry, Wait):
+                    key = keys[r][entry.record]
+                    if key not in done:
+                        break  # blocked until the other members issue it
+                    start, end = done[key]
+                    rec = records[r][entry.record]
+                    events[r].append(
+                        Event(r, "comm", rec.op, start, end, {**rec.tags, "group": rec.group, "bytes": rec.sent_bytes})
+                    )
+                    blocked[r].append((rec.tags, clock[r], start, end))
+                    clock[r] = max(clock[r], end)
+                pc[r] += 1
+                progress = True
+    stuck = [r for r in range(n) if pc[r] < len(programs[r])]
+    if stuck:
+        waits = {r: records[r][programs[r][pc[r]].record] for r in stuck}
+        raise RuntimeError(
+            "the replay deadlocked: "
+            + "; ".join(f"rank {r} waits for {w.op} on {w.group} {w.ranks}" for r, w in waits.items())
+            + ", which some member never issued"
+        )
+    chosen = _last_step(programs) if step == -1 else step
+    stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
+    makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
+    ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(n)]
+    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
+
+
+def _last_step(programs: list[list]) -> int | None:
+    steps = [e.tags["step"] for prog in programs for e in prog if isinstance(e, Compute) and "step" in e.tags]
+    return max(steps) if steps else None
+
+
+def _metrics(rank: int, events: list[Event], blocked: list[tuple], step: int | None) -> ModeledRank:
+    def in_step(tags: dict) -> bool:
+        return step is None or tags.get("step") == step
+
+    mine = [e for e in events if in_step(e.tags)]
+    if not mine:
+        return ModeledRank(rank, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    span = max(e.end for e in mine) - min(e.start for e in mine)
+    exposed = idle = 0.0
+    for tags, wait_start, data_start, end in blocked:
+        if in_step(tags) and end > wait_start:
+            idle += max(0.0, min(data_start, end) - wait_start)
+            exposed += end - max(wait_start, data_start)
+    return ModeledRank(
+        rank,
+        step_time_s=span,
+        compute_s=sum(e.duration for e in mine if e.kind != "comm"),
+        comm_s=sum(e.duration for e in mine if e.kind == "comm"),
+        exposed_comm_s=exposed,
+        idle_s=idle,
+        bubble_fraction=idle / span if span else 0.0,
+    )

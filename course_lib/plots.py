@@ -106,7 +106,7 @@ def plot_clocks(wall: Sequence[Sequence[Event]], modeled, title: str = "One step
         step_only(modeled.events),
         ax=bottom,
         title=title,
-        clock=f"modeled: {modeled.hardware}, {modeled.gpus_per_node} GPUs per node",
+        clock=f"modeled: {modeled.hardware}, {modeled.gpus_per_node} GPU{'s' * (modeled.gpus_per_node != 1)} per node",
     )
     return fig
 

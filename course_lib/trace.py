@@ -81,6 +81,7 @@ class _Timeline:
         self.program: list[Compute | Issue | Wait] = []
         self.kinds: list[str] = []  # the open spans' kinds, innermost last
         self.segment = Compute("compute", 0.0, 0.0)
+        self.flops_total = 0  # everything FlopCounter has counted on this rank
 
 
 _TIMELINE = _Timeline()
@@ -95,6 +96,7 @@ def reset(rank: int = 0, epoch: float | None = None) -> None:
     _TIMELINE.program = []
     _TIMELINE.kinds = []
     _TIMELINE.segment = Compute("compute", now(), now())
+    _TIMELINE.flops_total = 0
 
 
 def _next_segment() -> None:
@@ -130,11 +132,12 @@ class FlopCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        seg = _TIMELINE.segment
+        seg, before = _TIMELINE.segment, _TIMELINE.segment.flops + _TIMELINE.segment.elementwise
         if func._overloadpacket in flop_registry:
             seg.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         elif not func.is_view:
             seg.elementwise += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        _TIMELINE.flops_total += seg.flops + seg.elementwise - before
         return out
 
 
@@ -178,8 +181,9 @@ def tags(**new_tags) -> Iterator[None]:
 
 @contextlib.contextmanager
 def span(kind: str, name: str = "", **span_tags) -> Iterator[None]:
-    """Time the body as one event of ``kind``; the tags also apply to everything recorded inside."""
-    start = now()
+    """Time the body as one event of ``kind``; the tags also apply to everything recorded inside. With a
+    :class:`FlopCounter` running, the event's tags carry the FLOPs counted inside (``flops``)."""
+    start, flops_before = now(), _TIMELINE.flops_total
     _TIMELINE.kinds.append(kind)
     try:
         with tags(**span_tags):
@@ -187,7 +191,8 @@ def span(kind: str, name: str = "", **span_tags) -> Iterator[None]:
     finally:
         _TIMELINE.kinds.pop()
         _next_segment()
-    record(kind, name or kind, start, now(), **span_tags)
+    counted = _TIMELINE.flops_total - flops_before
+    record(kind, name or kind, start, now(), **span_tags, **({"flops": counted} if counted else {}))
 
 
 def with_idle(rank_events: Sequence[Event]) -> list[Event]:

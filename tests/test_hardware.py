@@ -112,12 +112,15 @@ def forward_flops(cfg):
     tokens, targets = synthetic_tokens(0, 2, cfg)
     with trace.span("forward"):
         model.loss(tokens, targets)
-    return sum(e.flops for e in trace.program() if isinstance(e, Compute))
+    segments = [e for e in trace.program() if isinstance(e, Compute) and e.kind == "forward"]
+    span = next(e for e in trace.events() if e.kind == "forward")
+    return sum(e.flops for e in segments), sum(e.flops + e.elementwise for e in segments), span.tags["flops"]
 
 
 def test_counted_flops_are_the_matmul_shapes():
     cfg = GPTConfig()
-    counted = launch.run(forward_flops, 1, cfg, count_flops=True)[0]
+    counted, with_elementwise, on_the_event = launch.run(forward_flops, 1, cfg, count_flops=True)[0]
+    assert on_the_event == with_elementwise > counted, "the timeline's forward event carries its FLOPs"
     b, s, h, a, v, L = 2, cfg.seq, cfg.d_model, cfg.heads, cfg.vocab, cfg.layers
     linears = 2 * b * s * (h * 3 * h + h * h + h * 4 * h + 4 * h * h)  # qkv, proj, fc1, fc2
     attention = 2 * 2 * b * a * s * s * (h // a)  # q k^T and (scores) v

@@ -50,6 +50,10 @@ class TrainConfig:
     batch: int = 8
     lr: float = 1e-2
     weight_decay: float = 0.1
+    # AdamW's eps. With PyTorch's 1e-8, a weight whose gradient is below ~1e-8 takes a step of ~lr decided by the
+    # gradient's rounding noise, so two correct summation orders (one device, 4 ranks) end up 1e-4 apart in fp32;
+    # the tiny GPT has such weights. 1e-6 (BERT's and RoBERTa's choice) keeps fp32 comparisons about the scheme.
+    adam_eps: float = 1e-6
     seed: int = 0
     dtype: str = "float32"
 
@@ -83,12 +87,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        # Head-major copies, so what the attention matmuls save does not depend on the batch size.
-        q, k, v = (
-            t.view(b, s, self.heads, d // self.heads).transpose(1, 2).contiguous() for t in self.qkv(x).split(d, dim=-1)
-        )
-        return self.proj(causal_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+        # Sizes come from qkv's output, so a tensor-parallel rank holding ``heads`` of them runs this code too (and,
+        # under sequence parallelism, the whole sequence gathered by qkv). Head-major copies, so that what the
+        # attention matmuls save does not depend on the batch size.
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2).contiguous() for t in self.qkv(x).chunk(3, -1))
+        return self.proj(causal_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -178,7 +181,7 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
 def make_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses."""
     trainable = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, foreach=False)
+    return torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, eps=train.adam_eps, foreach=False)
 
 
 @dataclass
@@ -226,8 +229,8 @@ def rel_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     """||a - b|| / ||b|| over all parameters together (2-norm): the relative error of the whole model.
 
     In float32 this, not the elementwise difference, is the meaningful measure after Adam steps: Adam divides by
-    sqrt(v), so a weight whose gradient is tiny (|g| ~ 1e-8) moves by ~lr whatever its sign and size, and rounding
-    noise in g of 1e-10 (a different summation order) changes that move by a visible fraction.
+    sqrt(v) + eps, so a weight whose gradient is near eps moves by a sizeable fraction of lr whatever its size, and
+    rounding noise in g of 1e-10 (another summation order) changes that move visibly (see TrainConfig.adam_eps).
     """
     _same_names(a, b)
     num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)

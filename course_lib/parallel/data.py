@@ -91,6 +91,7 @@ class DataParallelStrategy:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self.coords = {"dp": dist.get_rank()}  # where this rank sits, for reports
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -161,15 +162,19 @@ def train_loop(
     train: TrainConfig,
     grad_accum: int = 1,
     measure_memory: bool = True,
+    data_rank: int | None = None,
+    data_size: int | None = None,
 ) -> dict:
     """Train ``strategy.model`` on this rank's share of each global batch; returns this rank's report.
 
     Each step: ``grad_accum`` micro-batches, forward and backward (loss scaled by 1/grad_accum, all but the last
     under ``no_sync``), then the strategy's gradient sync, the optimizer step, and the strategy's parameter sync.
     ``measure_memory`` runs each step under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles
-    a CPU step; benchmarks turn it off.
+    a CPU step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all
+    ranks), this rank taking share ``data_rank``.
     """
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank() if data_rank is None else data_rank
+    n = dist.get_world_size() if data_size is None else data_size
     device = launch.rank_device()
     model, optimizer = strategy.model, strategy.optimizer
     losses = []
@@ -196,7 +201,7 @@ def train_loop(
                 strategy.after_optimizer_step()
             launch.sync(device)
         losses.append(step_loss)
-    return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": {"dp": rank}}
+    return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
 
 
 def train_data_parallel(

@@ -115,7 +115,12 @@ def _scheme_options(args) -> dict:
 def cmd_run(args) -> int:
     from course_lib.schemes import run_scheme
 
-    world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or 4)
+    world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or args.tp or 4)
+    if args.tp is not None and (args.scheme not in ("tp", "sp") or args.tp != world_size):
+        raise SystemExit(
+            f"run {args.scheme}: --tp {args.tp} is the tensor-parallel degree of tp and sp, whose ranks form one "
+            f"group (world size = tp); combining TP with other axes is what a 3D run does"
+        )
     try:
         run = run_scheme(
             args.scheme,
@@ -268,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
     run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
     run.add_argument("--world-size", type=int, help="number of ranks (default 4; 1 for single)")
+    run.add_argument("--tp", type=int, help="tp, sp: the tensor-parallel degree (the world size)")
     run.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)")
     run.add_argument("--naive", action="store_true", help="dp: one all-reduce per gradient, after backward")
     run.add_argument("--grad-accum", type=int, help="micro-batches per step, synced once (default 1)")

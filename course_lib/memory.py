@@ -255,8 +255,11 @@ def activation_bytes_per_layer(
     return s * b * h * (10 + 24 / t + scores / t)
 
 
-def tiny_gpt_activation_bytes(cfg, micro_batch: int, element_size: int = 4) -> dict[str, int]:
-    """Exact saved-activation bytes of :class:`course_lib.models.TinyGPT` for one forward (no dropout).
+def tiny_gpt_activation_bytes(
+    cfg, micro_batch: int, element_size: int = 4, tp: int | None = None, sp: bool = False
+) -> dict[str, int]:
+    """Exact saved-activation bytes of one forward of the tiny GPT (no dropout): the single-device
+    :class:`course_lib.models.TinyGPT`, or with ``tp`` one rank of its tensor-parallel version (and ``sp``).
 
     Per layer, in elements: LayerNorm inputs 2sbh and their mean and rstd 4sb; the qkv input sbh; q, k and v as
     the matmuls save them 3sbh; the softmax output as^2 b (also what the attention-times-v matmul saves); the
@@ -265,10 +268,23 @@ def tiny_gpt_activation_bytes(cfg, micro_batch: int, element_size: int = 4) -> d
     dropout masks, and his 5as^2 b less the attention dropout. Outside the layers: the input and target token ids
     (int64), the final LayerNorm (sbh + 2sb), the output head input sbh, the log-softmax output sbV and one
     scalar of the loss.
+
+    Tensor parallelism over t ranks splits what lies between the column- and row-parallel linears (q, k, v, the
+    scores, the projection input, the MLP's 8sbh): 4sbh + 12sbh/t + as^2 b/t + 4sb per layer, the rest replicated
+    (Korthikanti's sbh(10 + 24/t + 5as/(ht))). Sequence parallelism splits the rest too: everything but the mask
+    divided by t. Outside the layers a TP rank keeps the vocabulary masks (bs bytes each) of its embedding and
+    cross-entropy, its sbV/t slice of the softmax, and the final LayerNorm and head input (divided by t under SP).
     """
-    s, b, h, a, v = cfg.seq, micro_batch, cfg.d_model, cfg.heads, cfg.vocab
-    per_layer = element_size * (16 * s * b * h + a * s * s * b + 4 * s * b) + s * s
-    outside = 2 * 8 * b * s + element_size * (2 * s * b * h + 2 * s * b + s * b * v + 1)
+    s, b, h, a, v, e = cfg.seq, micro_batch, cfg.d_model, cfg.heads, cfg.vocab, element_size
+    if tp is None:
+        per_layer = e * (16 * s * b * h + a * s * s * b + 4 * s * b) + s * s
+        outside = 2 * 8 * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v + 1)
+    elif sp:
+        per_layer = e * (16 * s * b * h + a * s * s * b + 4 * s * b) // tp + s * s
+        outside = 2 * (8 + 1) * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v) // tp
+    else:
+        per_layer = e * (4 * s * b * h + 12 * s * b * h // tp + a * s * s * b // tp + 4 * s * b) + s * s
+        outside = 2 * (8 + 1) * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v // tp)
     return {
         "per_layer": per_layer,
         "layers": cfg.layers * per_layer,

@@ -26,6 +26,7 @@ from course_lib.models import (
     train_reference,
 )
 from course_lib.parallel.data import train_data_parallel
+from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
 from course_lib.parallel.zero import flat_sizes, train_zero
 
 
@@ -37,6 +38,7 @@ class Scheme:
     options: tuple[str, ...] = ()
     fixed: dict = field(default_factory=dict)
     single_rank: bool = False
+    splits_batch: bool = True  # data parallel: each rank takes its share of the batch
 
 
 _DP_OPTIONS = ("bucket_mb", "overlap", "grad_accum")
@@ -51,6 +53,22 @@ SCHEMES = {
         "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs",
         ("overlap", "grad_accum", "reshard_after_forward"),
         {"stage": 3},
+    ),
+    "tp": Scheme(
+        "tp",
+        train_tensor_parallel,
+        "Megatron tensor parallel: split every layer's matmuls",
+        (),
+        {"sp": False},
+        splits_batch=False,
+    ),
+    "sp": Scheme(
+        "sp",
+        train_tensor_parallel,
+        "tensor + sequence parallel: shard the rest along the sequence",
+        (),
+        {"sp": True},
+        splits_batch=False,
     ),
 }
 ALIASES = {"fsdp": "zero3"}
@@ -69,7 +87,7 @@ class SchemeRun:
     modeled: ModeledRun | None = None
 
 
-def validate(scheme: str, world_size: int, train: TrainConfig, options: dict) -> Scheme:
+def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> Scheme:
     """Reject impossible settings before any rank starts, saying how to fix them."""
     scheme = ALIASES.get(scheme, scheme)
     if scheme not in SCHEMES:
@@ -86,6 +104,9 @@ def validate(scheme: str, world_size: int, train: TrainConfig, options: dict) ->
     accum = options.get("grad_accum", 1)
     if accum < 1:
         raise ValueError(f"grad_accum must be at least 1, got {accum}")
+    if not spec.splits_batch:
+        check_tensor_parallel(cfg, world_size, spec.fixed.get("sp", False))
+        return spec
     if world_size > train.batch:
         raise ValueError(
             f"world size {world_size} is larger than the global batch of {train.batch} sequences: some ranks would "
@@ -112,28 +133,35 @@ def _layout(
 def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> list[dict]:
     """Predicted bytes per rank by category, for comparison with what the ranks measured.
 
-    With e bytes per element, P trainable and F frozen parameters, T trainable tensors and, for ZeRO, flat buffers
-    padded to a multiple of n holding Pad elements in k buffers: DP keeps eP + eF of parameters, eP of gradients
-    and 2eP + 4T of AdamW state (two moments, a 4-byte step counter per tensor). ZeRO shards, over n ranks, the
-    optimizer state (stage 1: 2e Pad/n + 4k), then the gradients (stage 2: e Pad/n), then the parameters (stage 3:
-    e Pad/n; the frozen parameters stay whole). Activations follow
-    :func:`course_lib.memory.tiny_gpt_activation_bytes` for one micro-batch of this rank's share of the batch.
+    With e bytes per element, P trainable and F frozen parameters and T trainable tensors: DP keeps eP + eF of
+    parameters, eP of gradients and 2eP + 4T of AdamW state (two moments, a 4-byte step counter per tensor). ZeRO,
+    whose flat buffers are padded to a multiple of n (Pad elements in k buffers), shards over n ranks the optimizer
+    state (stage 1: 2e Pad/n + 4k), then the gradients (stage 2: e Pad/n), then the parameters (stage 3: e Pad/n;
+    frozen parameters stay whole). TP divides the split matrices (and the vocabulary) by t and keeps LayerNorms and
+    row-parallel biases whole. Activations follow :func:`course_lib.memory.tiny_gpt_activation_bytes` for one
+    micro-batch of this rank's share of the batch.
     """
     model, sizes = _layout(scheme, world_size, cfg, train, options)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    P, F = count_params(model), count_params(model, trainable_only=False) - count_params(model)
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    F = count_params(model, trainable_only=False) - count_params(model)  # frozen
     e, n = train.torch_dtype.itemsize, world_size
+    spec = SCHEMES[scheme]
     if sizes:
-        stage, pad = SCHEMES[scheme].fixed["stage"], sum(sizes)
+        stage, pad = spec.fixed["stage"], sum(sizes)
         row = {
             "params": e * (pad // n if stage >= 3 else pad) + e * F,
             "grads": e * (pad // n if stage >= 2 else pad),
             "optimizer": 2 * e * pad // n + 4 * len(sizes),
         }
     else:
-        row = {"params": e * (P + F), "grads": e * P, "optimizer": 2 * e * P + 4 * len(trainable)}
-    micro = train.batch // (world_size * options.get("grad_accum", 1))
-    row["activations"] = tiny_gpt_activation_bytes(cfg, micro, e)["total"]
+        t = 1 if spec.splits_batch else n
+        held = sum(p.numel() // t if sharding(name) else p.numel() for name, p in trainable)
+        row = {"params": e * (held + F), "grads": e * held, "optimizer": 2 * e * held + 4 * len(trainable)}
+    if spec.splits_batch:
+        micro = train.batch // (world_size * options.get("grad_accum", 1))
+        row["activations"] = tiny_gpt_activation_bytes(cfg, micro, e)["total"]
+    else:
+        row["activations"] = tiny_gpt_activation_bytes(cfg, train.batch, e, tp=n, sp=spec.fixed["sp"])["total"]
     return [dict(row) for _ in range(world_size)]
 
 
@@ -143,15 +171,21 @@ def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfi
     DP: all-reduce of every gradient, 2(n-1)/n x eP. ZeRO-1/2: reduce-scatter of the gradients and all-gather of
     the updated parameters, (n-1)/n x e Pad each (stage 2 reduce-scatters every micro-batch). ZeRO-3: two
     all-gathers (forward and backward, or one without resharding after forward) and one reduce-scatter per
-    micro-batch.
+    micro-batch. TP and SP: :func:`course_lib.parallel.tensor.collectives_per_step`.
     """
     model, sizes = _layout(scheme, world_size, cfg, train, options)
     e, n, k = train.torch_dtype.itemsize, world_size, options.get("grad_accum", 1)
+    spec = SCHEMES[scheme]
+    if not spec.splits_batch:
+        out: dict = {}
+        for *_, op, nbytes in collectives_per_step(cfg, train.batch, e, n, spec.fixed["sp"]):
+            out[op] = out.get(op, 0.0) + ring_factor(op, n) * nbytes
+        return out
     if n == 1:
-        return {}
+        return {}  # one data-parallel rank has nothing to synchronise
     if not sizes:
         return {"all_reduce": ring_factor("all_reduce", n) * e * count_params(model)}
-    stage, S = SCHEMES[scheme].fixed["stage"], e * sum(sizes)
+    stage, S = spec.fixed["stage"], e * sum(sizes)
     part = ring_factor("all_gather", n) * S
     if stage == 3:
         gathers = 1 if options.get("reshard_after_forward", True) is False else 2
@@ -172,7 +206,7 @@ def run_scheme(
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster."""
-    spec = validate(scheme, world_size, train, options)
+    spec = validate(scheme, world_size, cfg, train, options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")

@@ -203,3 +203,15 @@ def test_hardware_lists_profiles_with_sources(capsys):
     data = run_json(capsys, "hardware")
     assert {"h100", "a100", "pcie"} <= set(data)
     assert data["h100"]["gpus_per_node"] == 8 and data["h100"]["sources"]
+
+
+@pytest.mark.parametrize("scheme", ["tp", "sp"])
+def test_run_tensor_parallel_matches_one_device(capsys, scheme):
+    data = run_json(capsys, "run", scheme, "--tp", "4", "--steps", "2")
+    assert data["scheme"] == scheme and data["world_size"] == 4
+    assert data["max_abs_loss_diff"] <= 1e-5 and data["rel_param_diff"] <= 1e-5
+    assert data["ranks"][3]["coords"] == {"tp": 3}
+    with pytest.raises(SystemExit, match="tensor-parallel degree 3 does not divide the heads = 4"):
+        main(["run", scheme, "--tp", "3"])
+    with pytest.raises(SystemExit, match="world size = tp"):
+        main(["run", scheme, "--tp", "2", "--world-size", "4"])

@@ -46,14 +46,14 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s/t, h) on each rank -> (b, s, h): all-gather along the sequence."""
     t = dist.get_world_size(group)
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
-    comm.all_gather(out, x.contiguous(), group=group)
+    comm.all_gather(out, x.detach().contiguous(), group=group)  # autograd is handled by the callers' Functions
     return out.unflatten(0, (t, x.shape[0])).transpose(0, 1).flatten(1, 2)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums on each rank -> (b, s/t, h) of the sum: reduce-scatter along the sequence."""
     t = dist.get_world_size(group)
-    chunks = x.unflatten(1, (t, -1)).transpose(0, 1).contiguous()  # (t, b, s/t, h)
+    chunks = x.detach().unflatten(1, (t, -1)).transpose(0, 1).contiguous()  # (t, b, s/t, h)
     out = x.new_empty(chunks.shape[1:])
     comm.reduce_scatter(out, chunks.flatten(0, 1), group=group)
     return out
@@ -246,16 +246,62 @@ class TensorParallelGPT(TinyGPT):
         t, h = self.tp, self.cfg.d_model
         out = {}
         for name, p in self.named_parameters():
-            if name == "tok_emb.weight" or name.endswith("fc1.weight") or name.endswith("fc1.bias"):
+            split = sharding(name)
+            if split == "rows":
                 full = _gather(p, self.group).flatten(0, 1)
-            elif name.endswith("proj.weight") or name.endswith("fc2.weight"):
+            elif split == "columns":
                 full = _gather(p, self.group).permute(1, 0, 2).flatten(1, 2)
-            elif name.endswith("qkv.weight"):  # (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
+            elif split == "heads":  # (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
                 full = _gather(p, self.group).unflatten(1, (3, h // t)).transpose(0, 1).flatten(0, 2)
             else:
                 full = p.detach()
             out[name] = full.detach().cpu().clone()
         return out
+
+
+def sharding(name: str) -> str | None:
+    """How a parameter of the tiny GPT is split over a tensor-parallel group: by ``rows`` (vocabulary, MLP
+    columns), ``columns`` (inputs of row-parallel linears), ``heads`` (the fused qkv), or not at all (None)."""
+    if name == "tok_emb.weight" or name.endswith(("fc1.weight", "fc1.bias")):
+        return "rows"
+    if name.endswith(("proj.weight", "fc2.weight")):
+        return "columns"
+    return "heads" if name.endswith("qkv.weight") else None
+
+
+def collectives_per_step(cfg: GPTConfig, batch: int, element_size: int, tp: int, sp: bool) -> list[tuple]:
+    """Every collective a tensor-parallel rank makes in one step, as (layer, direction, op, tensor bytes).
+
+    Per layer: TP, all-reduces of the (b, s, h) activations, 2 forward (after each row-parallel linear) and 2
+    backward (before each column-parallel linear). SP: each becomes an all-gather or reduce-scatter of the same
+    size (S = e b s h, the whole sequence), plus, in backward, an all-gather per column-parallel linear to rebuild
+    the input it kept sharded. Outside: the embedding, the tied head, the cross-entropy's three all-reduces of
+    e b s bytes, and under SP one all-reduce of the sequence-parallel parameters' gradients.
+    """
+    S, small = element_size * batch * cfg.seq * cfg.d_model, element_size * batch * cfg.seq
+    if sp:
+        layer = [("forward", "all_gather"), ("forward", "reduce_scatter")] * 2 + [
+            ("backward", "all_gather"),
+            ("backward", "reduce_scatter"),
+            ("backward", "all_gather"),
+        ] * 2
+        ends = [
+            ("embedding", "forward", "reduce_scatter"),
+            ("embedding", "backward", "all_gather"),
+            ("head", "forward", "all_gather"),
+            ("head", "backward", "all_gather"),
+            ("head", "backward", "reduce_scatter"),
+        ]
+    else:
+        layer = [("forward", "all_reduce"), ("backward", "all_reduce")] * 2
+        ends = [("embedding", "forward", "all_reduce"), ("head", "backward", "all_reduce")]
+    out = [(i, d, op, S) for i in range(cfg.layers) for d, op in layer]
+    out += [(where, d, op, S) for where, d, op in ends]
+    out += [("loss", "forward", "all_reduce", small)] * 3
+    if sp:
+        replicated_trainable = 6 * cfg.d_model * cfg.layers + 2 * cfg.d_model  # LayerNorms and row biases
+        out.append((None, None, "all_reduce", element_size * replicated_trainable))
+    return out
 
 
 def _shard(w: torch.Tensor, dim: int, r: int, t: int) -> torch.Tensor:

@@ -48,6 +48,15 @@ def split_into_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[li
     return buckets
 
 
+def split_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive pieces of ``flat`` shaped like ``tensors`` (the inverse of concatenating them)."""
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return views
+
+
 def backward_order(model: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters, last layer first: roughly the order in which backward produces their gradients."""
     return [p for p in reversed(list(model.parameters())) if p.requires_grad]
@@ -144,10 +153,8 @@ class BucketedAllReduce(DataParallelStrategy):
         for i, flat, handle in self._in_flight:
             handle.wait()
             flat.div_(n)
-            offset = 0
-            for p in self.buckets[i]:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, averaged in zip(self.buckets[i], split_like(flat, self.buckets[i]), strict=True):
+                p.grad.copy_(averaged)
         self._in_flight = []
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
-from course_lib.parallel.data import DataParallelStrategy, train_loop
+from course_lib.parallel.data import DataParallelStrategy, split_like, train_loop
 
 
 def _direction(ctx, direction: str):
@@ -345,10 +345,8 @@ class TensorParallelStrategy(DataParallelStrategy):
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         with trace.tags(phase="sp_grad_sync"):
             comm.all_reduce(flat, group=self.model.group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, summed in zip(params, split_like(flat, params), strict=True):
+            p.grad.copy_(summed)
 
 
 def train_tensor_parallel(cfg: GPTConfig, train: TrainConfig, sp: bool = False, measure_memory: bool = True) -> dict:

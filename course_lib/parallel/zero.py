@@ -31,6 +31,7 @@ from course_lib.parallel.data import (
     ReadyGroups,
     backward_order,
     split_into_buckets,
+    split_like,
     train_loop,
 )
 
@@ -51,10 +52,8 @@ class FlatShard:
 
     def view_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into ``flat``, so writing the buffer writes the parameters."""
-        offset = 0
-        for p in self.params:
-            p.data = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, view in zip(self.params, split_like(flat, self.params), strict=True):
+            p.data = view
 
 
 def _accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -81,7 +80,7 @@ class ShardedOptimizer(DataParallelStrategy):
             self.shards.append(nn.Parameter(buffer[flat.lo : flat.hi]))
             if stage == 1:
                 grads = torch.zeros_like(buffer)
-                for p, g in zip(flat.params, _views(flat, grads), strict=True):
+                for p, g in zip(flat.params, split_like(grads, flat.params), strict=True):
                     p.grad = g
                 self.shards[-1].grad = grads[flat.lo : flat.hi]
                 self.full_grads.append(grads)
@@ -131,14 +130,6 @@ class ShardedOptimizer(DataParallelStrategy):
         ]
         for h in handles:
             h.wait()
-
-
-def _views(flat: FlatShard, buffer: torch.Tensor) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for p in flat.params:
-        out.append(buffer[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    return out
 
 
 def fsdp_units(model: TinyGPT) -> list[list[nn.Parameter]]:

@@ -1,5 +1,6 @@
-"""PyTorch's own DDP and FSDP2 (``fully_shard``) train the tiny GPT (tied and frozen parameters) as the
-single-device reference does, and as our DP and ZeRO-3 do: the bridge from the course to production."""
+"""PyTorch's own DDP, FSDP2 (``fully_shard``) and tensor parallelism (``parallelize_module``, with and without
+sequence parallelism) train the tiny GPT (tied and frozen parameters) as the single-device reference does, and as
+our DP, ZeRO-3 and TP/SP do: the bridge from the course to production."""
 
 import functools
 
@@ -7,7 +8,8 @@ import pytest
 
 from course_lib import launch
 from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
-from course_lib.production import train_ddp, train_fsdp2
+from course_lib.parallel.tensor import train_tensor_parallel
+from course_lib.production import train_ddp, train_dtensor_tp, train_fsdp2
 from course_lib.schemes import run_scheme
 
 TRAIN = TrainConfig(steps=3)
@@ -35,4 +37,18 @@ def test_pytorch_matches_one_device_and_our_scheme(fn, options, scheme, scheme_o
         assert abs(theirs - single) <= 1e-5
         assert abs(theirs - mine) <= 1e-5
     for r in result:
+        assert rel_param_diff(r["params"], reference().params) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"sp": True}, {"sp": True, "reduce_grads": True}], ids=["tp", "tp-sp", "tp-sp-reduce-grads"]
+)
+@pytest.mark.parametrize("n", [2, 4])
+def test_dtensor_tensor_parallel_matches_one_device_and_ours(n, options):
+    result = launch.run(train_dtensor_tp, n, GPTConfig(), TRAIN, **options)
+    ours = launch.run(train_tensor_parallel, n, GPTConfig(), TRAIN, sp=options.get("sp", False))[0]["losses"]
+    for r in result:  # every rank sees the whole batch, so every rank has the loss
+        for theirs, mine, single in zip(r["losses"], ours, reference().losses, strict=True):
+            assert abs(theirs - single) <= 1e-5
+            assert abs(theirs - mine) <= 1e-5
         assert rel_param_diff(r["params"], reference().params) <= 1e-5

@@ -1,0 +1,91 @@
+"""Step time of our tensor parallelism (and TP with sequence parallelism) against PyTorch's DTensor TP, on the same
+ranks and model.
+
+Each scheme trains the tiny GPT for ``--steps`` steps on ``--world-size`` ranks that form one tensor-parallel group
+(gloo on CPU, NCCL on GPUs), every rank on the whole ``--batch``, ``--repeats`` launches each, interleaved. Ours is
+``course_lib.parallel.tensor.train_tensor_parallel`` (Megatron's f/g operators, vocabulary-parallel embedding, head
+and cross-entropy), PyTorch's ``course_lib.production.train_dtensor_tp`` (``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel``, and ``SequenceParallel`` LayerNorms under SP; embedding, head and loss
+replicated). Step times are measured as in ``dp_zero.py``: on each rank from the first start to the last end of the
+step's timeline events, the step's time that of its slowest rank, the median over the steps after ``--warmup`` of
+all launches. The bytes are what rank 0 sends per step by our ledger (PyTorch's collectives bypass it). Ours runs
+with ``measure_memory=False``, as PyTorch's loop has no memory meter. Under SP, PyTorch's is timed a second time with
+``reduce_grads=True`` (its ``Partial`` LayerNorm gradients all-reduced once in backward instead of lazily in every
+optimizer op that reads them; see :func:`course_lib.production.train_dtensor_tp`), the ratio in parentheses.
+
+    .venv/bin/python benchmarks/tp.py --world-size 4 --steps 10 --warmup 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from dp_zero import mean_losses, sent_bytes, step_times
+
+from course_lib import launch
+from course_lib.models import GPTConfig, TrainConfig
+from course_lib.parallel.tensor import check_tensor_parallel, train_tensor_parallel
+from course_lib.production import train_dtensor_tp
+
+ROW = "{:<42} {:>8} {:>8} {:>16} {:>11}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=4, help="the tensor-parallel degree")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences); every rank sees all of it")
+    parser.add_argument("--repeats", type=int, default=3, help="launches of each scheme; their steps are pooled")
+    args = parser.parse_args()
+    if not 0 <= args.warmup < args.steps or args.repeats < 1:
+        parser.error(
+            f"need 0 <= --warmup < --steps and --repeats >= 1, got {args.warmup}, {args.steps}, {args.repeats}"
+        )
+    n = args.world_size
+    cfg, train = GPTConfig(layers=args.layers, d_model=args.d_model), TrainConfig(args.steps, args.batch)
+    try:
+        check_tensor_parallel(cfg, n, sp=True)
+    except ValueError as exc:
+        parser.error(str(exc))
+    timed = range(args.warmup, args.steps)
+    print(f"{n} ranks ({launch.resolve_backend('auto', n)}), {cfg}, batch {train.batch}, median of steps {timed}")
+    print(ROW.format("scheme", "step ms", "ours/pt", "bytes/rank/step", "max|dloss|"))
+    for sp in (False, True):
+        name = "TP + SP" if sp else "TP"
+        theirs, ours = f"PyTorch DTensor {name}", f"ours: {name}"
+        runs = {
+            theirs: (train_dtensor_tp, {"sp": sp}),
+            ours: (train_tensor_parallel, {"sp": sp, "measure_memory": False}),
+        }
+        if sp:  # PyTorch's again, its Partial LayerNorm gradients all-reduced once in backward, not in the optimizer
+            runs[f"{theirs}, reduce_grads"] = (train_dtensor_tp, {"sp": sp, "reduce_grads": True})
+        times: dict[str, list[float]] = {label: [] for label in runs}
+        last: dict[str, launch.RunResult] = {}
+        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere falls on every scheme
+            for label, (rank_fn, opts) in runs.items():
+                last[label] = launch.run(rank_fn, n, cfg, train, timeout=600, **opts)
+                times[label] += step_times(last[label], timed)
+        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        losses = zip(mean_losses(last[ours]), mean_losses(last[theirs]), strict=True)
+        print(ROW.format(theirs, f"{ms[theirs]:.1f}", "", "(not in ledger)", "").rstrip())
+        for label in runs:
+            if label.startswith(f"{theirs},"):  # a PyTorch variant: its time against ours
+                ratio = f"{ms[ours] / ms[label]:.2f}x"
+                print(ROW.format(label, f"{ms[label]:.1f}", f"({ratio})", "(not in ledger)", "").rstrip())
+        print(
+            ROW.format(
+                ours,
+                f"{ms[ours]:.1f}",
+                f"{ms[ours] / ms[theirs]:.2f}x",
+                f"{sent_bytes(last[ours], timed[-1]):,.0f}",
+                f"{max(abs(a - b) for a, b in losses):.1e}",
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

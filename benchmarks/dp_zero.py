@@ -51,21 +51,33 @@ def mean_losses(result: launch.RunResult) -> list[float]:
 ROW = "{:<34} {:>8} {:>8} {:>7} {:>4} {:>16} {:>11}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=4)
+def benchmark_parser(description: str, world_size_help: str, batch_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ranks, steps timed, model size, batch, repeats."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--world-size", type=int, default=4, help=world_size_help)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over the ranks")
+    parser.add_argument("--batch", type=int, default=16, help=batch_help)
     parser.add_argument("--repeats", type=int, default=3, help="launches of each scheme; their steps are pooled")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket (10^6 bytes), ours and DDP's")
-    args = parser.parse_args()
+    return parser
+
+
+def check_timing_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not 0 <= args.warmup < args.steps or args.repeats < 1:
         parser.error(
             f"need 0 <= --warmup < --steps and --repeats >= 1, got {args.warmup}, {args.steps}, {args.repeats}"
         )
+
+
+def main() -> None:
+    parser = benchmark_parser(
+        __doc__.split("\n\n")[0], "number of ranks", "global batch (sequences), split over the ranks"
+    )
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket (10^6 bytes), ours and DDP's")
+    args = parser.parse_args()
+    check_timing_arguments(parser, args)
     if args.batch % args.world_size:
         parser.error(f"--batch {args.batch} does not split evenly over --world-size {args.world_size}")
     n = args.world_size

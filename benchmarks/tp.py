@@ -18,10 +18,9 @@ optimizer op that reads them; see :func:`course_lib.production.train_dtensor_tp`
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from dp_zero import mean_losses, sent_bytes, step_times
+from dp_zero import benchmark_parser, check_timing_arguments, mean_losses, sent_bytes, step_times
 
 from course_lib import launch
 from course_lib.models import GPTConfig, TrainConfig
@@ -32,19 +31,11 @@ ROW = "{:<42} {:>8} {:>8} {:>16} {:>11}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=4, help="the tensor-parallel degree")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences); every rank sees all of it")
-    parser.add_argument("--repeats", type=int, default=3, help="launches of each scheme; their steps are pooled")
+    parser = benchmark_parser(
+        __doc__.split("\n\n")[0], "the tensor-parallel degree", "global batch (sequences); every rank sees all of it"
+    )
     args = parser.parse_args()
-    if not 0 <= args.warmup < args.steps or args.repeats < 1:
-        parser.error(
-            f"need 0 <= --warmup < --steps and --repeats >= 1, got {args.warmup}, {args.steps}, {args.repeats}"
-        )
+    check_timing_arguments(parser, args)
     n = args.world_size
     cfg, train = GPTConfig(layers=args.layers, d_model=args.d_model), TrainConfig(args.steps, args.batch)
     try:

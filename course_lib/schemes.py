@@ -26,6 +26,9 @@ from course_lib.models import (
     train_reference,
 )
 from course_lib.parallel.data import train_data_parallel
+from course_lib.parallel.pipeline import PipelineStage, split_layers, train_pipeline
+from course_lib.parallel.schedules import generate as generate_schedule
+from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
 from course_lib.parallel.zero import flat_sizes, train_zero
 
@@ -70,7 +73,15 @@ SCHEMES = {
         {"sp": True},
         splits_batch=False,
     ),
+    "pp": Scheme(
+        "pp",
+        train_pipeline,
+        "pipeline parallel: split the layers into stages, stream microbatches through them",
+        ("schedule", "microbatches", "chunks"),
+        splits_batch=False,
+    ),
 }
+PIPELINE_DEFAULTS = {"schedule": "1f1b", "microbatches": 4, "chunks": 1}
 ALIASES = {"fsdp": "zero3"}
 
 
@@ -104,6 +115,15 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
     accum = options.get("grad_accum", 1)
     if accum < 1:
         raise ValueError(f"grad_accum must be at least 1, got {accum}")
+    if spec.name == "pp":
+        o = PIPELINE_DEFAULTS | options
+        validate_schedule(o["schedule"], world_size, o["microbatches"], o["chunks"])
+        split_layers(cfg.layers, world_size * o["chunks"])
+        if train.batch % o["microbatches"]:
+            raise ValueError(
+                f"the batch of {train.batch} sequences does not split into {o['microbatches']} equal microbatches"
+            )
+        return spec
     if not spec.splits_batch:
         check_tensor_parallel(cfg, world_size, spec.fixed.get("sp", False))
         return spec
@@ -157,6 +177,8 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
         t = 1 if spec.splits_batch else n
         held = sum(p.numel() // t if sharding(name) else p.numel() for name, p in trainable)
         row = {"params": e * (held + F), "grads": e * held, "optimizer": 2 * e * held + 4 * len(trainable)}
+    if spec.name == "pp":
+        return _predict_pipeline_memory(cfg, train, n, PIPELINE_DEFAULTS | options)
     if spec.splits_batch:
         micro = train.batch // (world_size * options.get("grad_accum", 1))
         row["activations"] = tiny_gpt_activation_bytes(cfg, micro, e)["total"]
@@ -165,14 +187,84 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
     return [dict(row) for _ in range(world_size)]
 
 
-def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> dict:
+def _pipeline_stages(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) -> list[dict[int, PipelineStage]]:
+    model = TinyGPT(cfg, dtype=train.torch_dtype)
+    ranges = split_layers(cfg.layers, p * chunks)
+    return [
+        {c: PipelineStage(model, c * p + r, p * chunks, ranges[c * p + r]) for c in range(chunks)} for r in range(p)
+    ]
+
+
+def _predict_pipeline_memory(cfg: GPTConfig, train: TrainConfig, p: int, o: dict) -> list[dict]:
+    """Per rank: the states of the stages it holds, and the peak of the activations its table keeps alive — a
+    microbatch's, on a stage, from its F to its last backward pass (B, or W when the table splits them)."""
+    e, m = train.torch_dtype.itemsize, o["microbatches"]
+    acts = tiny_gpt_activation_bytes(cfg, train.batch // m, e)
+    stage_bytes = {
+        True: 8 * (train.batch // m) * cfg.seq,
+        False: acts["outside_layers"] - 8 * (train.batch // m) * cfg.seq,
+    }
+    tables = generate_schedule(o["schedule"], p, m, o["chunks"])
+    rows = []
+    for r, stages in enumerate(_pipeline_stages(cfg, train, p, o["chunks"])):
+        held = {id(q): q for s in stages.values() for q in s.reference_names().values()}.values()
+        trainable = [q for q in held if q.requires_grad]
+        n_train = sum(q.numel() for q in trainable)
+        frozen = sum(q.numel() for q in held if not q.requires_grad)
+        per_mb = {
+            c: len(s.layers) * acts["per_layer"]
+            + (stage_bytes[True] if s.first else 0)
+            + (stage_bytes[False] if s.last else 0)
+            for c, s in stages.items()
+        }
+        split = any(a.kind == "W" for a in tables[r])
+        live = peak = 0
+        for a in tables[r]:
+            if a.kind == "F":
+                live += per_mb[a.chunk]
+            elif a.kind == ("W" if split else "B"):
+                live -= per_mb[a.chunk]
+            peak = max(peak, live)
+        rows.append(
+            {
+                "params": e * (n_train + frozen),
+                "grads": e * n_train,
+                "optimizer": 2 * e * n_train + 4 * len(trainable),
+                "activations": peak,
+            }
+        )
+    return rows
+
+
+def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> list[dict]:
     """Predicted bytes each rank sends per step, by collective (ring accounting, see :mod:`course_lib.comm`).
 
     DP: all-reduce of every gradient, 2(n-1)/n x eP. ZeRO-1/2: reduce-scatter of the gradients and all-gather of
     the updated parameters, (n-1)/n x e Pad each (stage 2 reduce-scatters every micro-batch). ZeRO-3: two
     all-gathers (forward and backward, or one without resharding after forward) and one reduce-scatter per
-    micro-batch. TP and SP: :func:`course_lib.parallel.tensor.collectives_per_step`.
+    micro-batch. TP and SP: :func:`course_lib.parallel.tensor.collectives_per_step`. PP: each rank sends one
+    activation (F) or gradient (B) of (b/m) x s x h elements per transfer in its table, and the first and last
+    ranks all-reduce the tied embedding's gradient (V x h elements).
     """
+    if SCHEMES[scheme].name == "pp":
+        return _predict_pipeline_comm(cfg, train, world_size, PIPELINE_DEFAULTS | options)
+    return [_predict_symmetric_comm(scheme, world_size, cfg, train, options)] * world_size
+
+
+def _predict_pipeline_comm(cfg: GPTConfig, train: TrainConfig, p: int, o: dict) -> list[dict]:
+    e, m = train.torch_dtype.itemsize, o["microbatches"]
+    message = e * (train.batch // m) * cfg.seq * cfg.d_model
+    rows = []
+    for r, table in enumerate(generate_schedule(o["schedule"], p, m, o["chunks"])):
+        sends = sum(a.kind.startswith("SEND") for a in table)
+        row = {"send": float(sends * message), "recv": 0.0} if sends else {}
+        if p > 1 and r in (0, p - 1):
+            row["all_reduce"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model
+        rows.append(row)
+    return rows
+
+
+def _predict_symmetric_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> dict:
     model, sizes = _layout(scheme, world_size, cfg, train, options)
     e, n, k = train.torch_dtype.itemsize, world_size, options.get("grad_accum", 1)
     spec = SCHEMES[scheme]
@@ -224,7 +316,9 @@ def run_scheme(
     reference = train_reference(cfg, train)
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
-    params = next(r["params"] for r in result if r["params"] is not None)
+    params = {}  # the union of what the ranks hold (a pipeline rank holds only its stages)
+    for value in result:
+        params |= value["params"] or {}
     last = train.steps - 1
     ranks = []
     for rank, (value, records, events) in enumerate(zip(result, result.comm, result.events, strict=True)):

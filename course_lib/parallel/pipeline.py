@@ -1,0 +1,200 @@
+"""Pipeline parallelism on real ranks: the tiny GPT cut into stages, driven by a schedule table.
+
+The model's layers are split into v*p contiguous virtual stages (the embedding goes with the first, the final
+LayerNorm, the tied output head and the loss with the last); rank r holds stages r, r+p, ... (one per chunk).
+:func:`run_schedule` executes one rank's table from :mod:`course_lib.parallel.schedules`: it receives activations
+and gradients with blocking receives, sends with non-blocking sends, runs each F, B and W on its stage, and keeps
+each microbatch's activations exactly from its F to its last backward pass. The gradients of all microbatches add
+up; the first and last stages, which both hold the tied embedding, sum its gradient before the optimizer step
+(Narayanan et al. 2021, §3.1; Megatron-LM's embedding group). The loss of a microbatch is scaled by 1/m, so the
+step is the one-device step on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm, launch, trace
+from course_lib.memory import MemoryMeter
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer, synthetic_tokens
+from course_lib.parallel.data import micro_batches
+from course_lib.parallel.schedules import Action, Costs, generate
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges for each stage, as equal as possible (earlier stages get the extra layers)."""
+    if stages > layers:
+        raise ValueError(
+            f"{stages} pipeline stages (ranks x chunks) for {layers} layers: every stage needs at least one layer. "
+            f"Use at most {layers} stages or a deeper model."
+        )
+    base, extra = divmod(layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+class PipelineStage(nn.Module):
+    """Virtual stage ``stage`` of ``stages``: the embedding if first, its blocks, the head and loss if last."""
+
+    def __init__(self, model: TinyGPT, stage: int, stages: int, layers: range) -> None:
+        super().__init__()
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.layers = layers
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        if self.first or self.last:
+            self.tok_emb = model.tok_emb  # the first and the last stage each hold the tied embedding
+        if self.first:
+            self.pos_emb = model.pos_emb
+        if self.last:
+            self.ln_f = model.ln_f
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or activations in; activations out, or the loss on the last stage."""
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb[: x.shape[1]]
+        for i, block in zip(self.layers, self.blocks, strict=True):
+            with trace.tags(layer=i):
+                x = block(x)
+        if not self.last:
+            return x
+        logits = self.ln_f(x) @ self.tok_emb.weight.T
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def reference_names(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters under the one-device model's names."""
+        out = {
+            f"blocks.{i}.{name}": p
+            for i, block in zip(self.layers, self.blocks, strict=True)
+            for name, p in block.named_parameters()
+        }
+        for name in ("tok_emb", "pos_emb", "ln_f"):
+            if hasattr(self, name):
+                module = getattr(self, name)
+                out |= (
+                    {name: module}
+                    if isinstance(module, nn.Parameter)
+                    else {f"{name}.{n}": p for n, p in module.named_parameters()}
+                )
+        return out
+
+
+def build_stages(cfg: GPTConfig, train: TrainConfig, rank: int, p: int, chunks: int) -> dict[int, PipelineStage]:
+    """This rank's stages by chunk, cut from the one-device model (same seed); the rest of the model is dropped."""
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    ranges = split_layers(cfg.layers, p * chunks)
+    return {c: PipelineStage(model, c * p + rank, p * chunks, ranges[c * p + rank]) for c in range(chunks)}
+
+
+def run_schedule(
+    table: list[Action],
+    stages: dict[int, PipelineStage],
+    tokens: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    activation_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> list[float]:
+    """Execute one rank's table for one step; returns the losses of the microbatches it finished (last stage)."""
+    device, m = launch.rank_device(), len(tokens)
+    split = any(a.kind == "W" for a in table)
+    inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
+    for a in table:
+        key, stage = (a.microbatch, a.chunk), stages[a.chunk]
+        with trace.tags(microbatch=a.microbatch, chunk=a.chunk):
+            if a.kind == "RECV_F":
+                buffer = torch.empty(activation_shape, dtype=dtype, device=device)
+                comm.recv(buffer, a.peer)
+                inputs[key] = buffer.requires_grad_(True)
+            elif a.kind == "F":
+                with trace.span("forward"):
+                    x = tokens[a.microbatch].to(device) if stage.first else inputs[key]
+                    out = stage(x, targets[a.microbatch].to(device) if stage.last else None)
+                    outputs[key] = out / m if stage.last else out
+                if stage.last:
+                    losses.append(out.item() / m)
+            elif a.kind == "SEND_F":
+                sends.append(comm.isend(outputs[key].detach(), a.peer))
+            elif a.kind == "RECV_B":
+                grads[key] = torch.empty(activation_shape, dtype=dtype, device=device)
+                comm.recv(grads[key], a.peer)
+            elif a.kind == "B":
+                with trace.span("backward"):
+                    _backward(stage, outputs[key], grads.get(key), inputs.get(key), split)
+                if not split:
+                    _forget(key, outputs, grads)
+            elif a.kind == "W":
+                with trace.span("weight_grad"):
+                    weights = [p for p in stage.parameters() if p.requires_grad]
+                    torch.autograd.backward(outputs[key], grads.get(key), inputs=weights)
+                _forget(key, outputs, grads)
+            elif a.kind == "SEND_B":
+                sends.append(comm.isend(inputs.pop(key).grad, a.peer))
+    for handle in sends:
+        handle.wait()
+    return losses
+
+
+def _backward(stage, out, grad, inp, split: bool) -> None:
+    """B: the whole backward of a stage, or with ``split`` only the gradient of its input (W does the weights)."""
+    if not split:
+        torch.autograd.backward(out, grad)
+    elif inp is not None:
+        (inp.grad,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
+
+
+def _forget(key, *stores) -> None:
+    for store in stores:
+        store.pop(key, None)
+
+
+def train_pipeline(
+    cfg: GPTConfig,
+    train: TrainConfig,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    chunks: int = 1,
+    measure_memory: bool = True,
+) -> dict:
+    """Rank function: the whole world is one pipeline; every step runs ``schedule`` over ``microbatches``."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stages = build_stages(cfg, train, rank, p, chunks)
+    table = generate(schedule, p, microbatches, chunks, Costs(1, 1, 1))[rank]
+    held = nn.ModuleList(stages.values())
+    optimizer = make_optimizer(held.parameters(), train)
+    tied = comm.new_group([0, p - 1], "embedding") if p > 1 else None
+    shape = (train.batch // microbatches, cfg.seq, cfg.d_model)
+    losses = []
+    for step in range(train.steps):
+        tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
+        meter = MemoryMeter(held, optimizer, device=launch.rank_device()) if measure_memory else None
+        with trace.tags(step=step), meter or contextlib.nullcontext():
+            step_losses = run_schedule(
+                table,
+                stages,
+                micro_batches(tokens, microbatches),
+                micro_batches(targets, microbatches),
+                shape,
+                train.torch_dtype,
+            )
+            if tied is not None and rank in (0, p - 1):
+                with trace.tags(phase="embedding_sync"):
+                    comm.all_reduce(stages[0 if rank == 0 else chunks - 1].tok_emb.weight.grad, group=tied)
+            with trace.span("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            launch.sync(launch.rank_device())
+        losses.append(sum(step_losses))
+    params = {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
+    last = any(s.last for s in stages.values())
+    return {
+        "losses": losses if last else None,
+        "memory": meter.report().as_dict() if meter else None,
+        "coords": {"pp": rank},
+        "params": params,
+    }

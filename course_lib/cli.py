@@ -85,6 +85,11 @@ def _train_config(args) -> TrainConfig:
     return TrainConfig(steps=args.steps, batch=args.batch, seed=args.seed, dtype=args.dtype)
 
 
+def _model_config(args, stages: int = 1) -> GPTConfig:
+    """The tiny GPT, with ``--layers`` or, by default, 2 layers or one per pipeline stage if there are more."""
+    return GPTConfig(layers=args.layers or max(GPTConfig().layers, stages))
+
+
 def _rank_table(report: dict) -> list[str]:
     lines = [
         f"  {'rank':<5}{'params':>12}{'grads':>12}{'optimizer':>12}{'activ.peak':>12}{'peak':>12}{'sent/step':>14}"
@@ -106,6 +111,9 @@ def _scheme_options(args) -> dict:
         "grad_accum": args.grad_accum,
         "overlap": False if args.no_overlap else None,
         "reshard_after_forward": False if args.no_reshard else None,
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "chunks": args.chunks,
     }
     if args.naive and args.bucket_mb is not None:
         raise SystemExit("run: --naive (one all-reduce per gradient) and --bucket-mb exclude each other")
@@ -125,7 +133,7 @@ def cmd_run(args) -> int:
         run = run_scheme(
             args.scheme,
             world_size,
-            GPTConfig(),
+            _model_config(args, world_size * (args.chunks or 1) if args.scheme == "pp" else 1),
             _train_config(args),
             backend=args.backend,
             hardware=args.hardware,
@@ -159,6 +167,55 @@ def cmd_run(args) -> int:
         )
     if args.plot:
         _say(args, "  wrote " + ", ".join(_save_plots(run, args.plot)))
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    from course_lib.parallel.schedules import Costs, bubble_formula, check, generate, simulate
+
+    costs = Costs(args.f, args.b, args.w)
+    try:
+        tables = generate(args.schedule, args.stages, args.microbatches, args.chunks, costs)
+    except ValueError as err:
+        raise SystemExit(f"schedule: {err}") from None
+    check(tables, args.microbatches, args.chunks)
+    sim = simulate(tables, costs)
+    formula = bubble_formula(args.schedule, args.stages, args.microbatches, args.chunks, costs)
+    data = {
+        "schedule": args.schedule,
+        "stages": args.stages,
+        "microbatches": args.microbatches,
+        "chunks": args.chunks,
+        "costs": {"f": args.f, "b": args.b, "w": args.w},
+        "bubble_fraction": sim.bubble_fraction,
+        "bubble_formula": formula,
+        "makespan": sim.makespan,
+        "idle_per_stage": sim.idle,
+        "peak_inflight": sim.peak_inflight,
+        "actions": [[str(a) for a in table] for table in tables],
+    }
+    _write_json(data, args.json)
+    _say(
+        args,
+        f"{args.schedule}: {args.stages} stages, {args.microbatches} microbatches"
+        + (f", {args.chunks} chunks per rank" if args.chunks > 1 else "")
+        + f"; F {args.f}, B {args.b}, W {args.w}",
+    )
+    _say(
+        args,
+        f"  makespan {sim.makespan:g}, bubble fraction {sim.bubble_fraction:.4f} "
+        f"(equal-cost formula {formula:.4f}), peak microbatches in flight per stage {sim.peak_inflight}",
+    )
+    for r, table in enumerate(tables):
+        _say(args, f"  rank {r}: " + " ".join(str(a) for a in table if a.kind in ("F", "B", "W")))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from course_lib.plots import plot_schedule
+
+        plot_schedule(sim, title=f"{args.schedule}, p={args.stages}, m={args.microbatches}").savefig(args.plot, dpi=110)
+        _say(args, f"  wrote {args.plot}")
     return 0
 
 
@@ -202,7 +259,7 @@ def cmd_demo(args) -> int:
     started = time.perf_counter()
     for name, spec in SCHEMES.items():
         n = 1 if spec.single_rank else args.world_size
-        run = run_scheme(name, n, GPTConfig(), train, backend=args.backend)
+        run = run_scheme(name, n, _model_config(args, args.world_size), train, backend=args.backend)
         reports.append(run.report)
         r0 = run.report["ranks"][0]
         state = sum(r0["memory"][k] for k in CATEGORIES)
@@ -261,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(func=cmd_memory)
 
     def training_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--layers", type=int, help="transformer layers (default 2, or one per pipeline stage)")
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
         p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
@@ -281,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-reshard", action="store_true", help="zero3: keep gathered parameters from forward to backward"
     )
+    run.add_argument("--schedule", help="pp: gpipe, 1f1b (default), interleaved or zb-h1")
+    run.add_argument("--microbatches", type=int, help="pp: microbatches per step (default 4)")
+    run.add_argument("--chunks", type=int, help="pp, interleaved: model chunks per rank")
     run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
     run.add_argument("--gpus-per-node", type=int, help="with --hardware: GPUs per node (default: the profile's)")
     training_flags(run)
@@ -291,10 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
     training_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
+    sch = sub.add_parser("schedule", help="generate, check and simulate a pipeline schedule (no ranks)")
+    sch.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
+    sch.add_argument("--stages", type=int, default=4)
+    sch.add_argument("--microbatches", type=int, default=8)
+    sch.add_argument("--chunks", type=int, default=1)
+    sch.add_argument("--f", type=float, default=1.0, help="cost of a forward")
+    sch.add_argument("--b", type=float, default=1.0, help="cost of a backward (input gradient)")
+    sch.add_argument("--w", type=float, default=0.0, help="cost of a weight-gradient pass")
+    sch.add_argument("--plot", metavar="FILE", help="draw the schedule into a PNG")
+    sch.set_defaults(func=cmd_schedule)
+
     hw = sub.add_parser("hardware", help="list the hardware profiles of the modeled clock")
     hw.set_defaults(func=cmd_hardware)
 
-    for p in (mem, run, demo, hw):
+    for p in (mem, run, demo, sch, hw):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     return parser
 

@@ -1,4 +1,5 @@
-"""The bridge to production: the tiny GPT trained on the same data with PyTorch's own data- and tensor-parallel APIs.
+"""The bridge to production: the tiny GPT trained on the same data with PyTorch's own data-, tensor- and pipeline-
+parallel APIs.
 
 Rank functions with the same signature and report as the course's schemes, so that a lesson (and
 ``tests/test_production.py``) can set our losses and parameters beside PyTorch's:
@@ -10,10 +11,13 @@ Rank functions with the same signature and report as the course's schemes, so th
 * :func:`train_dtensor_tp`: tensor parallelism with DTensor (``torch.distributed.tensor.parallel``), Megatron's
   column/row-parallel split of each block over all ranks, and optionally sequence-parallel LayerNorms, as our
   :mod:`course_lib.parallel.tensor` (every rank sees the whole batch).
+* :func:`train_torch_pipelining`: ``torch.distributed.pipelining`` (``PipelineStage`` driven by ``ScheduleGPipe``,
+  ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) over the stages that our
+  :func:`course_lib.parallel.pipeline.build_stages` cuts, as our :mod:`course_lib.parallel.pipeline`.
 
-Each step is tagged on the course timeline (forward, backward and optimizer spans with ``step``), so a run's
-``result.events`` time these steps as they time ours; PyTorch's collectives bypass our ledger, so ``result.comm``
-stays empty.
+Each step is tagged on the course timeline (forward, backward and optimizer spans with ``step``; per microbatch
+under pipelining), so a run's ``result.events`` time these steps as they time ours; PyTorch's collectives and
+transfers bypass our ledger, so ``result.comm`` stays empty.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -39,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib import launch, trace
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import batch_shard
+from course_lib.parallel.pipeline import build_stages
+from course_lib.parallel.schedules import validate
 from course_lib.parallel.tensor import check_tensor_parallel
 
 
@@ -188,3 +196,92 @@ def train_dtensor_tp(cfg: GPTConfig, train: TrainConfig, sp: bool = False, reduc
             full = _qkv_rows_by_projection(full, n)
         params[name] = full.detach().cpu().clone()
     return {"losses": losses, "params": params}
+
+
+# Our schedule names -> PyTorch's schedule classes (the interleaved one takes a list of stages, one per chunk).
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class _TracedStage(TorchPipelineStage):
+    """PyTorch's ``PipelineStage`` that records each microbatch's forward and backward on the course timeline
+    (tagged ``microbatch`` and ``chunk``, as our executor's spans); the transfers in between stay untimed."""
+
+    def __init__(self, *args, chunk: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk = chunk
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        with trace.tags(microbatch=fwd_chunk_id, chunk=self.chunk), trace.span("forward"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with trace.tags(microbatch=bwd_chunk_id, chunk=self.chunk), trace.span("backward"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def train_torch_pipelining(
+    cfg: GPTConfig, train: TrainConfig, schedule: str = "1f1b", microbatches: int = 4, chunks: int = 1
+) -> dict:
+    """Rank function: PyTorch's pipeline parallelism (``torch.distributed.pipelining``) over the tiny GPT, the whole
+    world one pipeline, on the same split as our :func:`course_lib.parallel.pipeline.train_pipeline`.
+
+    :func:`course_lib.parallel.pipeline.build_stages` cuts this rank's stages (virtual stage c*p + r for chunk c),
+    and each becomes a ``torch.distributed.pipelining.PipelineStage``; ``schedule`` picks ``ScheduleGPipe``,
+    ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (``chunks`` >= 2 stages per rank). Our last stage computes the
+    head and the cross-entropy itself, from the targets that the schedule hands every stage of the last rank as a
+    keyword argument (split into microbatches with the inputs), so the module's output is a microbatch's mean loss;
+    the schedule's ``loss_fn`` only scales it by 1/m, and ``scale_grads=False`` (the schedule would otherwise divide
+    the gradients by m after backward). The stages learn their activations' shapes from the first microbatch
+    (PyTorch's dynamic metadata inference: one extra forward and input-gradient backward at the start of step 0,
+    outside the timed spans, that leaves the parameters' gradients alone). After each step the first and the last
+    stage, which both hold the tied embedding, sum its gradient (an all-reduce between ranks 0 and p-1, outside our
+    ledger as PyTorch's transfers are), then AdamW. PyTorch's GPipe runs a stage's backward passes in microbatch
+    order (ours in reverse), so its gradients add up in another order: equal to rounding; 1F1B and interleaved 1F1B
+    match ours bit for bit.
+    """
+    rank, p = dist.get_rank(), dist.get_world_size()
+    validate(schedule, p, microbatches, chunks)
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(f"PyTorch's pipelining runs the schedules {list(TORCH_SCHEDULES)}, not {schedule!r}")
+    if train.batch % microbatches:
+        raise ValueError(f"batch {train.batch} does not split into {microbatches} equal microbatches")
+    device = launch.rank_device()
+    stages = build_stages(cfg, train, rank, p, chunks)
+    torch_stages = [
+        _TracedStage(stage, c * p + rank, p * chunks, device, chunk=c) for c, stage in sorted(stages.items())
+    ]
+    loss_fn = _microbatch_share(microbatches)
+    cls = TORCH_SCHEDULES[schedule]
+    options = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    runner = cls(torch_stages, **options) if schedule == "interleaved" else cls(torch_stages[0], **options)
+    held = nn.ModuleList(stages.values())
+    optimizer = make_optimizer(held.parameters(), train)
+    tied = dist.new_group([0, p - 1]) if p > 1 else None
+    first, last = rank == 0, rank == p - 1
+    losses = []
+    for step in range(train.steps):
+        tokens, targets = (t.to(device) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
+        step_losses: list[torch.Tensor] = []
+        with trace.tags(step=step):
+            args = (tokens,) if first else ()
+            kwargs = {"target": targets, "targets": targets, "losses": step_losses} if last else {}
+            runner.step(*args, return_outputs=False, **kwargs)
+            if tied is not None and (first or last):
+                dist.all_reduce(stages[0 if first else chunks - 1].tok_emb.weight.grad, group=tied)
+            with trace.span("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                launch.sync(device)
+        if last:
+            losses.append(sum(loss.item() for loss in step_losses))
+    params = {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
+    return {"losses": losses if last else None, "params": params}
+
+
+def _microbatch_share(microbatches: int):
+    """The schedule's loss function: our last stage's output is already a microbatch's mean loss; scale it by 1/m."""
+
+    def loss_fn(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss / microbatches
+
+    return loss_fn

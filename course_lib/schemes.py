@@ -27,6 +27,7 @@ from course_lib.models import (
 )
 from course_lib.parallel.data import train_data_parallel
 from course_lib.parallel.pipeline import PipelineStage, split_layers, train_pipeline
+from course_lib.parallel.schedules import Costs, bubble_formula, simulate
 from course_lib.parallel.schedules import generate as generate_schedule
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
@@ -185,6 +186,18 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
     else:
         row["activations"] = tiny_gpt_activation_bytes(cfg, train.batch, e, tp=n, sp=spec.fixed["sp"])["total"]
     return [dict(row) for _ in range(world_size)]
+
+
+def _pipeline_plan(p: int, o: dict) -> dict:
+    """The schedule's plan with equal F and B costs (and W = F when it splits the backward), beside the formula."""
+    costs = Costs(1.0, 1.0, 1.0 if o["schedule"] == "zb-h1" else 0.0)
+    plan = simulate(generate_schedule(o["schedule"], p, o["microbatches"], o["chunks"], costs), costs)
+    return {
+        **o,
+        "planned_bubble_fraction": plan.bubble_fraction,
+        "formula_bubble_fraction": bubble_formula(o["schedule"], p, o["microbatches"], o["chunks"], costs),
+        "peak_inflight": plan.peak_inflight,
+    }
 
 
 def _pipeline_stages(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) -> list[dict[int, PipelineStage]]:
@@ -353,9 +366,14 @@ def run_scheme(
     }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
+    if spec.name == "pp":
+        report["pipeline"] = _pipeline_plan(world_size, PIPELINE_DEFAULTS | options)
+        report["bubble_fraction"] = report["pipeline"]["planned_bubble_fraction"]
     modeled = replay(result.programs, result.comm, profile, gpus_per_node) if profile is not None else None
     if modeled is not None:
         report["modeled"] = modeled.summary()
+        if spec.name == "pp":
+            report["bubble_fraction"] = report["modeled"]["bubble_fraction"]
         for rank, numbers in zip(report["ranks"], modeled.per_rank(), strict=True):
             rank["modeled"] = {k: v for k, v in numbers.items() if k != "rank"}
     return SchemeRun(

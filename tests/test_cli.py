@@ -215,3 +215,47 @@ def test_run_tensor_parallel_matches_one_device(capsys, scheme):
         main(["run", scheme, "--tp", "3"])
     with pytest.raises(SystemExit, match="world size = tp"):
         main(["run", scheme, "--tp", "2", "--world-size", "4"])
+
+
+def test_schedule_command_answers_with_bubble_makespan_and_actions(capsys, tmp_path):
+    data = run_json(
+        capsys,
+        "schedule",
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--plot",
+        str(tmp_path / "s.png"),
+    )
+    assert data["bubble_fraction"] == pytest.approx(3 / 11) and data["makespan"] == 22
+    assert data["peak_inflight"] == [4, 3, 2, 1]
+    assert data["actions"][3][:3] == ["RECV_F0<-2", "F0", "B0"] and (tmp_path / "s.png").exists()
+    zb = run_json(capsys, "schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--w", "1")
+    assert zb["bubble_fraction"] == pytest.approx(zb["bubble_formula"]) == pytest.approx(3 / 27)
+    with pytest.raises(SystemExit, match="not a multiple of 4"):
+        main(["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--chunks", "2"])
+
+
+def test_run_pp_reports_its_bubble(capsys):
+    data = run_json(
+        capsys,
+        "run",
+        "pp",
+        "--world-size",
+        "2",
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "2",
+        "--steps",
+        "2",
+        "--hardware",
+        "h100",
+    )
+    assert data["max_abs_loss_diff"] <= 1e-5 and data["pipeline"]["planned_bubble_fraction"] == pytest.approx(1 / 3)
+    assert data["bubble_fraction"] == data["modeled"]["bubble_fraction"] > 0
+    with pytest.raises(SystemExit, match="fewer than 4"):
+        main(["run", "pp", "--world-size", "4", "--schedule", "interleaved", "--microbatches", "2", "--chunks", "2"])

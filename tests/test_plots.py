@@ -56,3 +56,16 @@ def test_both_clocks_side_by_side_use_their_own_units():
     wall, modeled = plot_clocks(run.result.events, run.modeled).axes
     assert wall.get_xlabel() == "wall clock: time (ms) from the first event shown"
     assert modeled.get_xlabel() == "modeled: h100, 1 GPU per node: time (µs) from the first event shown"
+
+
+def test_schedule_explorer_redraws_with_its_bubble(capsys):
+    from course_lib.widgets import schedule_explorer
+
+    explorer = schedule_explorer("gpipe", stages=4, microbatches=8)
+    controls = {w.description: w for w in explorer.children if hasattr(w, "description")}
+    controls["microbatches m"].value = 4
+    assert plt.gcf().axes[0].get_title() == "gpipe, p=4, m=4: bubble 42.9% of the time"
+    controls["schedule"].value = "interleaved"
+    assert "interleaved, p=4, m=4, v=2" in plt.gcf().axes[0].get_title()
+    controls["microbatches m"].value = 3  # interleaving needs a multiple of p: said, not raised
+    assert "3 microbatches is fewer than 4" in capsys.readouterr().out

@@ -107,7 +107,9 @@ def _interleaved(r: int, p: int, m: int, v: int) -> list[tuple]:
 
 def _zero_bubble_h1(p: int, m: int, costs: Costs) -> list[list[tuple]]:
     """1F1B with B split into B (input gradient) and W: a rank runs its next F or B as soon as it can, and its
-    oldest deferred W whenever it would otherwise wait; the rest of the W's close the step (Qi et al. §3.1)."""
+    oldest deferred W whenever it would otherwise wait. Rank r defers at most r W's (the first stage none), so no
+    rank holds more than p microbatches' activations, 1F1B's peak, while every stage idles only
+    (p-1)(T_F+T_B-T_W) (Qi et al. §3.1)."""
     plan = [[a if a[0] == "F" else ("B", a[1], 0) for a in _one_f_one_b(r, p, m)] for r in range(p)]
     out: list[list[tuple]] = [[] for _ in range(p)]
     ready: dict = {}  # (kind, microbatch, stage) -> time its output reaches the next rank
@@ -135,6 +137,9 @@ def _zero_bubble_h1(p: int, m: int, costs: Costs) -> list[list[tuple]]:
             ready[(kind, mb, r)] = clock[r]
             if kind == "B":
                 deferred[r].append(mb)
+                if len(deferred[r]) > r:
+                    out[r].append(("W", deferred[r].pop(0), 0))
+                    clock[r] += costs.w
             pc[r] += 1
     return out
 
@@ -166,7 +171,7 @@ class Simulation:
     busy: list[list[tuple]]  # per rank: (start, end, action)
     idle: list[float]
     bubble_fraction: float  # idle / makespan, averaged over ranks
-    peak_inflight: list[int]
+    peak_inflight: list[int]  # (microbatch, chunk) pairs between their F and their last backward pass
     deadlocked: list[tuple] = field(default_factory=list)  # (rank, action it waits at) if it could not finish
 
 
@@ -204,7 +209,7 @@ def simulate(tables: list[list[Action]], costs: Costs = Costs(), split_backward:
                     if a.kind == "F":
                         inflight[r].add((a.microbatch, a.chunk))
                         peak[r] = max(peak[r], len(inflight[r]))
-                    elif a.kind == "B":
+                    elif a.kind == ("W" if split_backward else "B"):  # its activations are freed
                         inflight[r].discard((a.microbatch, a.chunk))
                 pc[r] += 1
                 progress = True
@@ -252,9 +257,14 @@ def check(tables: list[list[Action]], microbatches: int, chunks: int = 1) -> Non
         raise ValueError("the tables deadlock: " + ", ".join(f"rank {r} waits at {a}" for r, a in stuck))
 
 
-def bubble_formula(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """Idle fraction with equal forward and backward costs: (p-1)/(m+p-1), or (p-1)/(v m+p-1) interleaved."""
+def bubble_formula(schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs = Costs()) -> float:
+    """The idle fraction the papers give: (p-1)/(m+p-1) for GPipe and 1F1B (whatever F and B cost),
+    (p-1)/(v m+p-1) interleaved, and for ZB-H1 an idle (p-1)(T_F+T_B-T_W) per stage over a step of
+    m(T_F+T_B+T_W) plus that idle (Qi et al. 2023, §3.1)."""
     p, m = stages, microbatches
     if schedule == "interleaved":
         return (p - 1) / (chunks * m + p - 1)
+    if schedule == "zb-h1":
+        idle = (p - 1) * (costs.f + costs.b - costs.w)
+        return idle / (m * (costs.f + costs.b + costs.w) + idle)
     return (p - 1) / (m + p - 1)

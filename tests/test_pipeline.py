@@ -1,0 +1,123 @@
+"""Pipeline parallelism: schedule tables checked and simulated in pure Python against the papers' bubbles, then
+executed on real ranks against one device, with the ledger and memory against the predictions."""
+
+import pytest
+
+from course_lib.memory import CATEGORIES
+from course_lib.models import GPTConfig, TrainConfig
+from course_lib.parallel.pipeline import split_layers
+from course_lib.parallel.schedules import Action, Costs, bubble_formula, check, generate, simulate
+from course_lib.schemes import run_scheme
+
+CFG = GPTConfig(layers=4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 4), (4, 4), (4, 8), (8, 3)])
+def test_gpipe_and_1f1b_bubbles_are_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    for costs in (Costs(1, 1, 0), Costs(1, 2, 0), Costs(1, 1, 1)):
+        tables = generate(schedule, p, m)
+        check(tables, m)
+        sim = simulate(tables, costs)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+        assert bubble_formula(schedule, p, m) == pytest.approx(sim.bubble_fraction, rel=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 4, 3), (2, 6, 4)])
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
+    tables = generate("interleaved", p, m, v)
+    check(tables, m, v)
+    assert simulate(tables).bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("costs", [Costs(1, 1, 1), Costs(1, 2, 1), Costs(2, 1, 1), Costs(1, 1, 0.5)])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_idles_p_minus_1_times_tf_plus_tb_minus_tw(costs, p, m):
+    tables = generate("zb-h1", p, m, costs=costs)
+    check(tables, m)
+    sim = simulate(tables, costs)
+    assert sim.idle == pytest.approx([(p - 1) * (costs.f + costs.b - costs.w)] * p, rel=1e-12)
+    assert sim.bubble_fraction == pytest.approx(bubble_formula("zb-h1", p, m, costs=costs), rel=1e-12)
+    assert max(sim.peak_inflight) <= p, "ZB-H1 keeps 1F1B's peak memory"
+
+
+def test_gpipe_keeps_every_microbatch_in_flight_and_1f1b_at_most_p():
+    p, m = 4, 8
+    assert simulate(generate("gpipe", p, m)).peak_inflight == [m] * p
+    assert simulate(generate("1f1b", p, m)).peak_inflight == [p - r for r in range(p)]
+
+
+def test_the_checker_catches_broken_tables():
+    tables = generate("1f1b", 2, 2)
+    swapped = [list(t) for t in tables]
+    f, b = swapped[1].index(Action("F", 0)), swapped[1].index(Action("B", 0))
+    swapped[1][f], swapped[1][b] = swapped[1][b], swapped[1][f]
+    with pytest.raises(ValueError, match="before the forward it differentiates"):
+        check(swapped, 2)
+    # Rank 0 waits for a gradient before sending the activation that produces it: a deadlock.
+    order = [a for a in tables[0] if a.kind != "SEND_F"]
+    deadlock = [order + [a for a in tables[0] if a.kind == "SEND_F"], tables[1]]
+    with pytest.raises(ValueError, match="the tables deadlock: rank 0 waits at RECV_B0<-1"):
+        check(deadlock, 2)
+    with pytest.raises(ValueError, match="unmatched transfers"):
+        check([tables[0], [a for a in tables[1] if a.kind != "SEND_B"]], 2)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v", "message"),
+    [
+        ("interleaved", 4, 2, 2, "2 microbatches is fewer than 4"),
+        ("interleaved", 4, 6, 2, "6 microbatches is not a multiple of 4"),
+        ("1f1b", 4, 8, 2, "--chunks 2 needs the interleaved schedule"),
+        ("interleaved", 4, 8, 1, "needs at least 2 chunks"),
+        ("pipedream", 4, 8, 1, "unknown schedule 'pipedream'"),
+    ],
+)
+def test_schedules_that_cannot_run_are_refused(schedule, p, m, v, message):
+    with pytest.raises(ValueError, match=message):
+        generate(schedule, p, m, v)
+
+
+def test_more_stages_than_layers_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="6 pipeline stages \\(ranks x chunks\\) for 4 layers"):
+        split_layers(4, 6)
+    with pytest.raises(ValueError, match="8 pipeline stages"):
+        run_scheme("pp", 4, CFG, schedule="interleaved", microbatches=4, chunks=2)
+    with pytest.raises(ValueError, match="does not split into 3 equal microbatches"):
+        run_scheme("pp", 2, CFG, microbatches=3)
+
+
+RUNS = [
+    (s, p, m, v)
+    for s, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))
+    for p in (2, 4)
+    for m in (1, 2, 4, 8)
+    if (s != "interleaved" or (m % p == 0 and p * v <= CFG.layers))
+]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), RUNS)
+def test_every_schedule_trains_like_one_device(schedule, p, m, v):
+    run = run_scheme("pp", p, CFG, TrainConfig(steps=2, dtype="float64"), schedule=schedule, microbatches=m, chunks=v)
+    assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
+    for rank, memory, sent in zip(run.report["ranks"], run.predicted_memory, run.predicted_comm, strict=True):
+        assert {op: c["bytes"] for op, c in rank["comm"].items()} == sent
+        assert all(rank["memory"][c] == memory[c] for c in CATEGORIES)
+        assert rank["memory"]["activations_peak"] == memory["activations"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_float32_pipeline_matches_one_device(schedule):
+    report = run_scheme("pp", 4, CFG, TrainConfig(steps=3), schedule=schedule, microbatches=8).report
+    assert report["max_abs_loss_diff"] <= 1e-5 and report["rel_param_diff"] <= 1e-5
+
+
+def test_first_stage_keeps_m_microbatches_under_gpipe_and_p_under_1f1b():
+    p, m = 2, 8
+    peaks = {
+        s: run_scheme("pp", p, CFG, TrainConfig(steps=1), schedule=s, microbatches=m).report["ranks"][0]["memory"][
+            "activations_peak"
+        ]
+        for s in ("gpipe", "1f1b")
+    }
+    assert peaks["gpipe"] == peaks["1f1b"] * m // p

@@ -1,6 +1,7 @@
-"""PyTorch's own DDP, FSDP2 (``fully_shard``) and tensor parallelism (``parallelize_module``, with and without
-sequence parallelism) train the tiny GPT (tied and frozen parameters) as the single-device reference does, and as
-our DP, ZeRO-3 and TP/SP do: the bridge from the course to production."""
+"""PyTorch's own DDP, FSDP2 (``fully_shard``), tensor parallelism (``parallelize_module``, with and without
+sequence parallelism) and pipelining (``torch.distributed.pipelining``) train the tiny GPT (tied and frozen
+parameters) as the single-device reference does, and as our DP, ZeRO-3, TP/SP and pipeline do: the bridge from the
+course to production."""
 
 import functools
 
@@ -8,8 +9,9 @@ import pytest
 
 from course_lib import launch
 from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
+from course_lib.parallel.pipeline import train_pipeline
 from course_lib.parallel.tensor import train_tensor_parallel
-from course_lib.production import train_ddp, train_dtensor_tp, train_fsdp2
+from course_lib.production import train_ddp, train_dtensor_tp, train_fsdp2, train_torch_pipelining
 from course_lib.schemes import run_scheme
 
 TRAIN = TrainConfig(steps=3)
@@ -52,3 +54,31 @@ def test_dtensor_tensor_parallel_matches_one_device_and_ours(n, options):
             assert abs(theirs - single) <= 1e-5
             assert abs(theirs - mine) <= 1e-5
         assert rel_param_diff(r["params"], reference().params) <= 1e-5
+
+
+PIPELINE_CFG, PIPELINE_TRAIN = GPTConfig(layers=4), TrainConfig(steps=2)  # 4 layers: a layer for every stage
+
+
+@functools.cache
+def pipeline_reference() -> TrainResult:
+    return train_reference(PIPELINE_CFG, PIPELINE_TRAIN)
+
+
+@pytest.mark.parametrize(
+    ("n", "schedule", "chunks"),
+    [(2, "gpipe", 1), (4, "gpipe", 1), (2, "1f1b", 1), (4, "1f1b", 1), (2, "interleaved", 2)],
+    ids=["gpipe-2", "gpipe-4", "1f1b-2", "1f1b-4", "interleaved-2x2"],
+)
+def test_torch_pipelining_matches_one_device_and_ours(n, schedule, chunks):
+    options = {"schedule": schedule, "microbatches": 4, "chunks": chunks}
+    result = launch.run(train_torch_pipelining, n, PIPELINE_CFG, PIPELINE_TRAIN, **options)
+    ours = launch.run(train_pipeline, n, PIPELINE_CFG, PIPELINE_TRAIN, measure_memory=False, **options)
+    assert [r["losses"] is not None for r in result] == [r == n - 1 for r in range(n)]  # the last stage's rank
+    for theirs, mine, single in zip(result[-1]["losses"], ours[-1]["losses"], pipeline_reference().losses, strict=True):
+        assert abs(theirs - single) <= 1e-5
+        assert abs(theirs - mine) <= 1e-5
+    params = {name: p for r in result for name, p in r["params"].items()}  # the union of the stages
+    assert rel_param_diff(params, pipeline_reference().params) <= 1e-5
+    assert not any(result.comm)  # PyTorch's transfers bypass our ledger
+    forwards = [e for e in result.events[0] if e.kind == "forward" and e.tags.get("step") == 0]
+    assert len(forwards) == 4 * chunks  # one span per microbatch and chunk, tagged for the benchmarks

@@ -51,6 +51,18 @@ def mean_losses(result: launch.RunResult) -> list[float]:
 ROW = "{:<34} {:>8} {:>8} {:>7} {:>4} {:>16} {:>11}"
 
 
+def time_interleaved(runs: dict, n: int, cfg, train, repeats: int, timed: range) -> tuple[dict, dict]:
+    """Launch each labelled (rank function, options) ``repeats`` times, interleaved so that a burst of load
+    elsewhere falls on every scheme; return the median step time in ms per label and each label's last run."""
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    last: dict[str, launch.RunResult] = {}
+    for _ in range(repeats):
+        for label, (rank_fn, opts) in runs.items():
+            last[label] = launch.run(rank_fn, n, cfg, train, timeout=600, **opts)
+            times[label] += step_times(last[label], timed)
+    return {label: 1e3 * statistics.median(t) for label, t in times.items()}, last
+
+
 def benchmark_parser(description: str, world_size_help: str, batch_help: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: ranks, steps timed, model size, batch, repeats."""
     parser = argparse.ArgumentParser(description=description)
@@ -100,13 +112,7 @@ def main() -> None:
             f"ours: {name}": (fn, {**options, "measure_memory": False}),
             f"ours: {name}, memory meter on": (fn, options),
         }
-        times: dict[str, list[float]] = {label: [] for label in runs}
-        last: dict[str, launch.RunResult] = {}
-        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere falls on every scheme
-            for label, (rank_fn, opts) in runs.items():
-                last[label] = launch.run(rank_fn, n, cfg, train, timeout=600, **opts)
-                times[label] += step_times(last[label], timed)
-        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        ms, last = time_interleaved(runs, n, cfg, train, args.repeats, timed)
         theirs = f"PyTorch {pt_name}"
         for label in runs:
             if label == theirs:

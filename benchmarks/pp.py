@@ -20,9 +20,7 @@ PyTorch's loop has no memory meter.
 
 from __future__ import annotations
 
-import statistics
-
-from dp_zero import benchmark_parser, check_timing_arguments, step_times
+from dp_zero import benchmark_parser, check_timing_arguments, time_interleaved
 
 from course_lib import comm, launch
 from course_lib.models import GPTConfig, TrainConfig
@@ -76,13 +74,7 @@ def main() -> None:
             theirs: (train_torch_pipelining, options),
             ours: (train_pipeline, {**options, "measure_memory": False}),
         }
-        times: dict[str, list[float]] = {label: [] for label in runs}
-        last: dict[str, launch.RunResult] = {}
-        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere falls on every scheme
-            for label, (rank_fn, opts) in runs.items():
-                last[label] = launch.run(rank_fn, n, cfg, train, timeout=600, **opts)
-                times[label] += step_times(last[label], timed)
-        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        ms, last = time_interleaved(runs, n, cfg, train, args.repeats, timed)
         sent = bytes_by_rank(last[ours], timed[-1])
         middle = f"{sent[1]:,.0f}/" if n > 2 else ""
         losses = zip(last[ours][-1]["losses"], last[theirs][-1]["losses"], strict=True)

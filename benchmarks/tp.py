@@ -18,9 +18,7 @@ optimizer op that reads them; see :func:`course_lib.production.train_dtensor_tp`
 
 from __future__ import annotations
 
-import statistics
-
-from dp_zero import benchmark_parser, check_timing_arguments, mean_losses, sent_bytes, step_times
+from dp_zero import benchmark_parser, check_timing_arguments, mean_losses, sent_bytes, time_interleaved
 
 from course_lib import launch
 from course_lib.models import GPTConfig, TrainConfig
@@ -54,13 +52,7 @@ def main() -> None:
         }
         if sp:  # PyTorch's again, its Partial LayerNorm gradients all-reduced once in backward, not in the optimizer
             runs[f"{theirs}, reduce_grads"] = (train_dtensor_tp, {"sp": sp, "reduce_grads": True})
-        times: dict[str, list[float]] = {label: [] for label in runs}
-        last: dict[str, launch.RunResult] = {}
-        for _ in range(args.repeats):  # interleaved, so that a burst of load elsewhere falls on every scheme
-            for label, (rank_fn, opts) in runs.items():
-                last[label] = launch.run(rank_fn, n, cfg, train, timeout=600, **opts)
-                times[label] += step_times(last[label], timed)
-        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        ms, last = time_interleaved(runs, n, cfg, train, args.repeats, timed)
         losses = zip(mean_losses(last[ours]), mean_losses(last[theirs]), strict=True)
         print(ROW.format(theirs, f"{ms[theirs]:.1f}", "", "(not in ledger)", "").rstrip())
         for label in runs:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib import trace
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -132,16 +134,33 @@ class TinyGPT(nn.Module):
         self.to(dtype)
         init_weights(self, seed)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
-        x = self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> the residual stream (batch, seq, d_model) the first block reads."""
+        return self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> logits (batch, seq, vocab), through the head tied to the embedding."""
         return self.ln_f(x) @ self.tok_emb.weight.T
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> the mean cross-entropy against ``targets``."""
+        logits = self.logits(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            with trace.tags(layer=i):
+                x = block(x)
+        return x
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for token ids (batch, seq), or with ``targets`` the mean cross-entropy."""
+        x = self.hidden(tokens)
+        return self.logits(x) if targets is None else self.output_loss(x, targets)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self(tokens, targets)  # through __call__, so that module hooks (FSDP's) run
 
 
 def init_weights(model: nn.Module, seed: int) -> None:

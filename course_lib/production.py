@@ -246,7 +246,7 @@ def train_torch_pipelining(
     if train.batch % microbatches:
         raise ValueError(f"batch {train.batch} does not split into {microbatches} equal microbatches")
     device = launch.rank_device()
-    stages = build_stages(cfg, train, rank, p, chunks)
+    stages = build_stages(TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device), rank, p, chunks)
     torch_stages = [
         _TracedStage(stage, c * p + rank, p * chunks, device, chunk=c) for c, stage in sorted(stages.items())
     ]

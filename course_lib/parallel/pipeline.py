@@ -16,7 +16,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, launch, trace
@@ -54,18 +53,17 @@ class PipelineStage(nn.Module):
             self.pos_emb = model.pos_emb
         if self.last:
             self.ln_f = model.ln_f
+        # The model's own embedding and loss (plain, or tensor-parallel): plain attributes, not submodules.
+        self.embed, self.output_loss = model.embed, model.output_loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (first stage) or activations in; activations out, or the loss on the last stage."""
         if self.first:
-            x = self.tok_emb(x) + self.pos_emb[: x.shape[1]]
+            x = self.embed(x)
         for i, block in zip(self.layers, self.blocks, strict=True):
             with trace.tags(layer=i):
                 x = block(x)
-        if not self.last:
-            return x
-        logits = self.ln_f(x) @ self.tok_emb.weight.T
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.output_loss(x, targets) if self.last else x
 
     def reference_names(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the one-device model's names."""
@@ -85,11 +83,13 @@ class PipelineStage(nn.Module):
         return out
 
 
-def build_stages(cfg: GPTConfig, train: TrainConfig, rank: int, p: int, chunks: int) -> dict[int, PipelineStage]:
-    """This rank's stages by chunk, cut from the one-device model (same seed); the rest of the model is dropped."""
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    ranges = split_layers(cfg.layers, p * chunks)
-    return {c: PipelineStage(model, c * p + rank, p * chunks, ranges[c * p + rank]) for c in range(chunks)}
+def build_stages(model: TinyGPT, rank: int, p: int, chunks: int) -> dict[int, PipelineStage]:
+    """Rank ``rank``'s stages by chunk, cut from ``model`` (the one-device model or its tensor-parallel version);
+    the model keeps only what its embedding and loss need, so the other ranks' layers are freed."""
+    ranges = split_layers(model.cfg.layers, p * chunks)
+    stages = {c: PipelineStage(model, c * p + rank, p * chunks, ranges[c * p + rank]) for c in range(chunks)}
+    model.blocks = nn.ModuleList()
+    return stages
 
 
 def run_schedule(
@@ -163,7 +163,8 @@ def train_pipeline(
 ) -> dict:
     """Rank function: the whole world is one pipeline; every step runs ``schedule`` over ``microbatches``."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    stages = build_stages(cfg, train, rank, p, chunks)
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    stages = build_stages(model, rank, p, chunks)
     table = generate(schedule, p, microbatches, chunks, Costs(1, 1, 1))[rank]
     held = nn.ModuleList(stages.values())
     optimizer = make_optimizer(held.parameters(), train)

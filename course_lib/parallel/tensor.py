@@ -217,22 +217,23 @@ class TensorParallelGPT(TinyGPT):
         pos = self.pos_emb[:seq]
         return pos.chunk(self.tp, 0)[self.tp_rank] if self.sp else pos
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, (batch, seq, vocab / t)."""
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup summed over the group (all-reduce, or reduce-scatter to sequence shards)."""
         mine = (tokens >= self.vocab_lo) & (tokens < self.vocab_lo + self.tok_emb.weight.shape[0])
         local = F.embedding((tokens - self.vocab_lo) * mine, self.tok_emb.weight) * mine.unsqueeze(-1)
         with trace.tags(layer="embedding"):
             reduce = ReduceScatterToSequence if self.sp else ReduceFromTensorParallel
-            x = reduce.apply(local, self.group) + self._positions(tokens.shape[1])
-        for i, block in enumerate(self.blocks):
-            with trace.tags(layer=i):
-                x = block(x)
+            return reduce.apply(local, self.group) + self._positions(tokens.shape[1])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, (batch, seq, vocab / t)."""
         with trace.tags(layer="head"):  # the tied output head: a column-parallel linear over the vocabulary
             return column_parallel_linear(self.ln_f(x), self.tok_emb.weight, None, self.group, self.sp)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(x)
         with trace.tags(layer="loss"):
-            return VocabParallelCrossEntropy.apply(self(tokens), targets, self.vocab_lo, self.group)
+            return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_lo, self.group)
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
         """Replicated parameters applied to sequence shards (LayerNorms, row-parallel biases): under SP each rank's

@@ -16,6 +16,7 @@ from course_lib import comm, launch
 from course_lib.comm import ring_factor
 from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.memory import tiny_gpt_activation_bytes
+from course_lib.mesh import check_sizes, coords_of
 from course_lib.models import (
     GPTConfig,
     TinyGPT,
@@ -31,6 +32,7 @@ from course_lib.parallel.schedules import Costs, bubble_formula, simulate
 from course_lib.parallel.schedules import generate as generate_schedule
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
+from course_lib.parallel.three_d import train_3d
 from course_lib.parallel.zero import flat_sizes, train_zero
 
 
@@ -82,7 +84,15 @@ SCHEMES = {
         splits_batch=False,
     ),
 }
+SCHEMES["3d"] = Scheme(
+    "3d",
+    train_3d,
+    "tensor parallel inside stages, pipeline across them, data parallel (or ZeRO-1) on top",
+    ("tp", "pp", "dp", "zero", "sp", "schedule", "microbatches", "chunks"),
+    splits_batch=False,
+)
 PIPELINE_DEFAULTS = {"schedule": "1f1b", "microbatches": 4, "chunks": 1}
+GRID_DEFAULTS = {"tp": 2, "pp": 2, "dp": 2, "zero": 0, "sp": False} | PIPELINE_DEFAULTS
 ALIASES = {"fsdp": "zero3"}
 
 
@@ -116,14 +126,25 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
     accum = options.get("grad_accum", 1)
     if accum < 1:
         raise ValueError(f"grad_accum must be at least 1, got {accum}")
-    if spec.name == "pp":
-        o = PIPELINE_DEFAULTS | options
-        validate_schedule(o["schedule"], world_size, o["microbatches"], o["chunks"])
-        split_layers(cfg.layers, world_size * o["chunks"])
-        if train.batch % o["microbatches"]:
+    if spec.name == "3d":
+        o = GRID_DEFAULTS | options
+        check_sizes(world_size, tp=o["tp"], pp=o["pp"], dp=o["dp"])
+        check_tensor_parallel(cfg, o["tp"], o["sp"])
+        if o["zero"] not in (0, 1):
+            raise ValueError(f"a 3D run shards optimizer state with ZeRO-1 at most (zero 0 or 1), not {o['zero']}")
+        if train.batch % o["dp"]:
             raise ValueError(
-                f"the batch of {train.batch} sequences does not split into {o['microbatches']} equal microbatches"
+                f"the batch of {train.batch} sequences does not split over {o['dp']} data-parallel replicas"
             )
+        if o["schedule"] == "zb-h1" and o["tp"] > 1:
+            raise ValueError(
+                "zb-h1 with tensor parallelism: the course's W pass is a second backward over the retained graph, "
+                "which would repeat every TP collective of the stage; use gpipe, 1f1b or interleaved, or tp 1"
+            )
+        _check_pipeline(cfg, train.batch // o["dp"], o["pp"], o)
+        return spec
+    if spec.name == "pp":
+        _check_pipeline(cfg, train.batch, world_size, PIPELINE_DEFAULTS | options)
         return spec
     if not spec.splits_batch:
         check_tensor_parallel(cfg, world_size, spec.fixed.get("sp", False))
@@ -139,6 +160,13 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
             f"ranks x {accum} micro-batches; use a batch that is a multiple of {world_size * accum}"
         )
     return spec
+
+
+def _check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
+    validate_schedule(o["schedule"], stages, o["microbatches"], o["chunks"])
+    split_layers(cfg.layers, stages * o["chunks"])
+    if batch % o["microbatches"]:
+        raise ValueError(f"the batch of {batch} sequences does not split into {o['microbatches']} equal microbatches")
 
 
 def _layout(
@@ -178,6 +206,8 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
         t = 1 if spec.splits_batch else n
         held = sum(p.numel() // t if sharding(name) else p.numel() for name, p in trainable)
         row = {"params": e * (held + F), "grads": e * held, "optimizer": 2 * e * held + 4 * len(trainable)}
+    if spec.name == "3d":
+        return None  # measured and shown per rank; the 3D memory model lives in the planner
     if spec.name == "pp":
         return _predict_pipeline_memory(cfg, train, n, PIPELINE_DEFAULTS | options)
     if spec.splits_batch:
@@ -259,9 +289,48 @@ def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfi
     activation (F) or gradient (B) of (b/m) x s x h elements per transfer in its table, and the first and last
     ranks all-reduce the tied embedding's gradient (V x h elements).
     """
+    if SCHEMES[scheme].name == "3d":
+        return [predict_axis_traffic(cfg, train, GRID_DEFAULTS | options, rank) for rank in range(world_size)]
     if SCHEMES[scheme].name == "pp":
         return _predict_pipeline_comm(cfg, train, world_size, PIPELINE_DEFAULTS | options)
     return [_predict_symmetric_comm(scheme, world_size, cfg, train, options)] * world_size
+
+
+def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int) -> dict:
+    """Bytes one rank of a 3D grid sends per step along each axis (for 3D runs the predictions are by axis).
+
+    tp: its stage's tensor-parallel collectives (:func:`collectives_per_step` restricted to its layers, plus the
+    embedding on the first stage and the head and loss on the last) for each of the m microbatches of b/(d m)
+    sequences, and under SP the sum of its sequence-parallel gradients. pp: one message of (b/(d m)) x s (/t under
+    SP) x h elements per transfer in its table. embedding: the tied embedding's gradient shard (V/t x h) summed
+    between the first and last stage. dp: all-reduce of every gradient it holds (ZeRO-1: reduce-scatter plus
+    all-gather of its padded buckets).
+    """
+    sizes = check_sizes(o["tp"] * o["pp"] * o["dp"], tp=o["tp"], pp=o["pp"], dp=o["dp"])
+    c, t, p, d = coords_of(rank, sizes), o["tp"], o["pp"], o["dp"]
+    e, m = train.torch_dtype.itemsize, o["microbatches"]
+    micro = train.batch // (d * m)
+    stages = _pipeline_stages(cfg, train, p, o["chunks"])[c["pp"]]
+    first, last = any(s.first for s in stages.values()), any(s.last for s in stages.values())
+    layers = {i for s in stages.values() for i in s.layers}
+    mine = {*layers} | ({"embedding"} if first else set()) | ({"head", "loss"} if last else set())
+    tp_bytes = sum(
+        ring_factor(op, t) * nbytes * (m if where is not None else 1)
+        for where, _, op, nbytes in collectives_per_step(cfg, micro, e, t, o["sp"])
+        if where in mine
+    )
+    if o["sp"]:
+        held_norms = 6 * cfg.d_model * len(layers) + (2 * cfg.d_model if last else 0)
+        tp_bytes += ring_factor("all_reduce", t) * e * held_norms
+    seq = cfg.seq // t if o["sp"] else cfg.seq
+    table = generate_schedule(o["schedule"], p, m, o["chunks"])[c["pp"]]
+    out = {"tp": tp_bytes, "pp": float(sum(a.kind.startswith("SEND") for a in table) * e * micro * seq * cfg.d_model)}
+    if p > 1 and (first or last):
+        out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
+    held = {name: q for s in stages.values() for name, q in s.reference_names().items() if q.requires_grad}
+    numel = sum(q.numel() // t if sharding(name) else q.numel() for name, q in held.items())
+    out["dp"] = ring_factor("all_reduce", d) * e * numel
+    return out
 
 
 def _predict_pipeline_comm(cfg: GPTConfig, train: TrainConfig, p: int, o: dict) -> list[dict]:
@@ -345,6 +414,7 @@ def run_scheme(
                 "comm": {
                     op: {"calls": s["calls"], "bytes": s["bytes"]} for op, s in comm.summarize(step_records).items()
                 },
+                "comm_by_axis": {axis: s["bytes"] for axis, s in comm.summarize(step_records, by="group").items()},
                 "wall_s": max(e.end for e in stepped) - min(e.start for e in stepped),
             }
         )
@@ -366,13 +436,14 @@ def run_scheme(
     }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
-    if spec.name == "pp":
-        report["pipeline"] = _pipeline_plan(world_size, PIPELINE_DEFAULTS | options)
+    if spec.name in ("pp", "3d"):
+        o = (PIPELINE_DEFAULTS if spec.name == "pp" else GRID_DEFAULTS) | options
+        report["pipeline"] = _pipeline_plan(o.get("pp", world_size), {k: o[k] for k in PIPELINE_DEFAULTS})
         report["bubble_fraction"] = report["pipeline"]["planned_bubble_fraction"]
     modeled = replay(result.programs, result.comm, profile, gpus_per_node) if profile is not None else None
     if modeled is not None:
         report["modeled"] = modeled.summary()
-        if spec.name == "pp":
+        if spec.name in ("pp", "3d"):
             report["bubble_fraction"] = report["modeled"]["bubble_fraction"]
         for rank, numbers in zip(report["ranks"], modeled.per_rank(), strict=True):
             rank["modeled"] = {k: v for k, v in numbers.items() if k != "rank"}

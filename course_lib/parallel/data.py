@@ -57,6 +57,19 @@ def split_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Te
     return views
 
 
+def all_reduce_grads(params: list[nn.Parameter], group=None, average: bool = False) -> None:
+    """Sum (or average) the gradients of ``params`` over ``group`` in one flat all-reduce."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.all_reduce(flat, group=group)
+    if average:
+        flat.div_(dist.get_world_size(group))
+    for p, summed in zip(params, split_like(flat, params), strict=True):
+        p.grad.copy_(summed)
+
+
 def backward_order(model: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters, last layer first: roughly the order in which backward produces their gradients."""
     return [p for p in reversed(list(model.parameters())) if p.requires_grad]

@@ -99,17 +99,26 @@ def run_schedule(
     targets: list[torch.Tensor],
     activation_shape: tuple[int, ...],
     dtype: torch.dtype,
+    peers: list[int] | None = None,
+    group=None,
 ) -> list[float]:
-    """Execute one rank's table for one step; returns the losses of the microbatches it finished (last stage)."""
+    """Execute one rank's table for one step; returns the losses of the microbatches it finished (last stage).
+
+    ``peers`` maps the table's pipeline ranks to global ranks and ``group`` is the pipeline's process group
+    (default: the whole world is the pipeline)."""
     device, m = launch.rank_device(), len(tokens)
     split = any(a.kind == "W" for a in table)
     inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
+
+    def peer(a: Action) -> int:
+        return peers[a.peer] if peers else a.peer
+
     for a in table:
         key, stage = (a.microbatch, a.chunk), stages[a.chunk]
         with trace.tags(microbatch=a.microbatch, chunk=a.chunk):
             if a.kind == "RECV_F":
                 buffer = torch.empty(activation_shape, dtype=dtype, device=device)
-                comm.recv(buffer, a.peer)
+                comm.recv(buffer, peer(a), group)
                 inputs[key] = buffer.requires_grad_(True)
             elif a.kind == "F":
                 with trace.span("forward"):
@@ -119,10 +128,10 @@ def run_schedule(
                 if stage.last:
                     losses.append(out.item() / m)
             elif a.kind == "SEND_F":
-                sends.append(comm.isend(outputs[key].detach(), a.peer))
+                sends.append(comm.isend(outputs[key].detach(), peer(a), group))
             elif a.kind == "RECV_B":
                 grads[key] = torch.empty(activation_shape, dtype=dtype, device=device)
-                comm.recv(grads[key], a.peer)
+                comm.recv(grads[key], peer(a), group)
             elif a.kind == "B":
                 with trace.span("backward"):
                     _backward(stage, outputs[key], grads.get(key), inputs.get(key), split)
@@ -134,7 +143,7 @@ def run_schedule(
                     torch.autograd.backward(outputs[key], grads.get(key), inputs=weights)
                 _forget(key, outputs, grads)
             elif a.kind == "SEND_B":
-                sends.append(comm.isend(inputs.pop(key).grad, a.peer))
+                sends.append(comm.isend(inputs.pop(key).grad, peer(a), group))
     for handle in sends:
         handle.wait()
     return losses

@@ -24,7 +24,7 @@ from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
-from course_lib.parallel.data import DataParallelStrategy, split_like, train_loop
+from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 
 
 def _direction(ctx, direction: str):
@@ -236,28 +236,33 @@ class TensorParallelGPT(TinyGPT):
             return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_lo, self.group)
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
-        """Replicated parameters applied to sequence shards (LayerNorms, row-parallel biases): under SP each rank's
-        gradient covers its shard only, so the group must sum them."""
-        rows = [m.bias for m in self.modules() if isinstance(m, RowParallelLinear)]
-        norms = [p for m in self.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
-        return rows + norms
+        return sequence_parallel_params(self)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, under the reference's names (all-gathers the shards; every rank must call it)."""
-        t, h = self.tp, self.cfg.d_model
-        out = {}
-        for name, p in self.named_parameters():
-            split = sharding(name)
-            if split == "rows":
-                full = _gather(p, self.group).flatten(0, 1)
-            elif split == "columns":
-                full = _gather(p, self.group).permute(1, 0, 2).flatten(1, 2)
-            elif split == "heads":  # (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
-                full = _gather(p, self.group).unflatten(1, (3, h // t)).transpose(0, 1).flatten(0, 2)
-            else:
-                full = p.detach()
-            out[name] = full.detach().cpu().clone()
-        return out
+        return {name: unshard(name, p, self.group, self.cfg.d_model) for name, p in self.named_parameters()}
+
+
+def unshard(name: str, p: torch.Tensor, group, hidden: int) -> torch.Tensor:
+    """The whole parameter ``name`` from this rank's shard ``p`` (all-gathers over the tensor-parallel group)."""
+    split, t = sharding(name), dist.get_world_size(group)
+    if split == "rows":
+        full = _gather(p, group).flatten(0, 1)
+    elif split == "columns":
+        full = _gather(p, group).permute(1, 0, 2).flatten(1, 2)
+    elif split == "heads":  # (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
+        full = _gather(p, group).unflatten(1, (3, hidden // t)).transpose(0, 1).flatten(0, 2)
+    else:
+        full = p.detach()
+    return full.detach().cpu().clone()
+
+
+def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters applied to sequence shards (LayerNorms, row-parallel biases): under SP each rank's
+    gradient covers its shard only, so the tensor-parallel group must sum them."""
+    rows = [m.bias for m in module.modules() if isinstance(m, RowParallelLinear)]
+    norms = [p for m in module.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    return rows + norms
 
 
 def sharding(name: str) -> str | None:
@@ -340,14 +345,9 @@ class TensorParallelStrategy(DataParallelStrategy):
         self.coords = {"tp": model.tp_rank}
 
     def finish_gradients(self) -> None:
-        if not self.model.sp:
-            return
-        params = [p for p in self.model.sequence_parallel_params() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        with trace.tags(phase="sp_grad_sync"):
-            comm.all_reduce(flat, group=self.model.group)
-        for p, summed in zip(params, split_like(flat, params), strict=True):
-            p.grad.copy_(summed)
+        if self.model.sp:
+            with trace.tags(phase="sp_grad_sync"):
+                all_reduce_grads(self.model.sequence_parallel_params(), self.model.group)
 
 
 def train_tensor_parallel(cfg: GPTConfig, train: TrainConfig, sp: bool = False, measure_memory: bool = True) -> dict:

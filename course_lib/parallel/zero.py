@@ -66,9 +66,11 @@ def _accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
 class ShardedOptimizer(DataParallelStrategy):
     """ZeRO stages 1 and 2: full parameters on every rank, optimizer state (and at stage 2 gradients) sharded."""
 
-    def __init__(self, model: nn.Module, train: TrainConfig, stage: int, bucket_bytes: int, overlap: bool) -> None:
-        n, rank = dist.get_world_size(), dist.get_rank()
-        self.stage, self.overlap = stage, overlap
+    def __init__(
+        self, model: nn.Module, train: TrainConfig, stage: int, bucket_bytes: int, overlap: bool, group=None
+    ) -> None:
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.stage, self.overlap, self.group = stage, overlap, group
         self.flats = [FlatShard(b, n, rank) for b in split_into_buckets(backward_order(model), bucket_bytes)]
         self.full = []  # the full parameter buffer of each bucket; the model's parameters are views into it
         self.shards = []  # this rank's slice of each buffer, as the parameters the optimizer updates
@@ -94,7 +96,7 @@ class ShardedOptimizer(DataParallelStrategy):
         grads = self.full_grads[i] if self.stage == 1 else flat.flatten([p.grad for p in flat.params])
         out = grads.new_empty(flat.shard_numel)
         with trace.tags(bucket=i):
-            self._in_flight.append((i, out, comm.reduce_scatter(out, grads, async_op=True)))
+            self._in_flight.append((i, out, comm.reduce_scatter(out, grads, group=self.group, async_op=True)))
         if self.stage == 2:
             for p in flat.params:
                 p.grad = None  # the full gradient is no longer needed: only the slice is kept
@@ -108,7 +110,7 @@ class ShardedOptimizer(DataParallelStrategy):
         if not self.overlap:
             for i in range(len(self.flats)):
                 self._reduce_scatter(i)
-        n = dist.get_world_size()
+        n = dist.get_world_size(self.group)
         for i, out, handle in self._in_flight:
             handle.wait()
             out.div_(n)
@@ -125,7 +127,7 @@ class ShardedOptimizer(DataParallelStrategy):
 
     def after_optimizer_step(self) -> None:
         handles = [
-            comm.all_gather(full, shard.detach().clone(), async_op=True)
+            comm.all_gather(full, shard.detach().clone(), group=self.group, async_op=True)
             for full, shard in zip(self.full, self.shards, strict=True)
         ]
         for h in handles:

@@ -1,0 +1,48 @@
+"""The rank grid: coordinates, groups per axis with TP innermost, clear errors, and PyTorch's DeviceMesh agreeing."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import comm, launch
+from course_lib.mesh import axis_groups, build_mesh, check_sizes, coords_of, name_of, rank_of, to_device_mesh
+
+SIZES = {"dp": 2, "pp": 2, "tp": 2}
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks():
+    assert axis_groups("tp", SIZES) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axis_groups("pp", SIZES) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups("dp", SIZES) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(8):
+        assert rank_of(coords_of(rank, SIZES), SIZES) == rank
+    assert name_of(coords_of(5, SIZES)) == "dp1-pp0-tp1"
+
+
+def test_sizes_that_do_not_multiply_to_the_world_are_refused():
+    with pytest.raises(ValueError, match="DP 1 x PP 2 x TP 2 = 4 ranks, but the world has 8"):
+        check_sizes(8, tp=2, pp=2)
+    with pytest.raises(ValueError, match="unknown axis \\['ep'\\]"):
+        check_sizes(8, ep=2)
+    assert check_sizes(8, tp=2, pp=2, dp=2) == SIZES
+
+
+def groups_and_a_sum():
+    mesh = build_mesh(**SIZES)
+    out = {}
+    for axis in ("dp", "pp", "tp"):
+        x = torch.tensor([dist.get_rank() * 1.0])
+        comm.all_reduce(x, group=mesh.groups[axis])
+        out[axis] = (mesh.members[axis], x.item())
+    device_mesh = to_device_mesh(SIZES)
+    theirs = {axis: dist.get_process_group_ranks(device_mesh.get_group(axis)) for axis in ("dp", "pp", "tp")}
+    return mesh.name, mesh.coords, out, theirs, [r.group for r in comm.records()]
+
+
+def test_every_rank_gets_its_groups_and_pytorch_agrees():
+    for rank, (name, coords, out, theirs, groups) in enumerate(launch.run(groups_and_a_sum, 8)):
+        assert name == name_of(coords_of(rank, SIZES)) and coords == coords_of(rank, SIZES)
+        for axis, (members, total) in out.items():
+            assert rank in members and total == sum(members)
+            assert theirs[axis] == members, "DeviceMesh builds the same groups"
+        assert groups == ["dp", "pp", "tp"], "the ledger names each collective's axis"

@@ -1,0 +1,71 @@
+"""3D parallelism on 8 CPU ranks: every composition trains like one device, and each axis moves what its formula
+says (tp inside stages, pp between them, dp across replicas, the tied embedding between first and last stage)."""
+
+import pytest
+
+from course_lib.hardware import replay
+from course_lib.models import GPTConfig, TrainConfig
+from course_lib.schemes import predict_axis_traffic, run_scheme
+
+CFG = GPTConfig(layers=4)
+GRIDS = [
+    {"tp": 2, "pp": 2, "dp": 2},
+    {"tp": 2, "pp": 2, "dp": 2, "sp": True},
+    {"tp": 2, "pp": 2, "dp": 2, "zero": 1},
+    {"tp": 2, "pp": 4, "dp": 1, "schedule": "gpipe", "microbatches": 8},
+    {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
+]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
+def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
+    run = run_scheme("3d", 8, CFG, TrainConfig(steps=2, dtype="float64"), **grid)
+    assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
+    for rank, predicted in zip(run.report["ranks"], run.predicted_comm, strict=True):
+        assert rank["comm_by_axis"] == predicted
+
+
+def test_3d_in_float32():
+    report = run_scheme("3d", 8, CFG, TrainConfig(steps=3), tp=2, pp=2, dp=2).report
+    assert report["max_abs_loss_diff"] <= 1e-5 and report["rel_param_diff"] <= 1e-5
+    assert [r["coords"] for r in report["ranks"]][5] == {"dp": 1, "pp": 0, "tp": 1}
+
+
+def test_axis_traffic_formula_by_hand_for_one_rank():
+    """Rank 0 of 2 x 2 x 2, fp32, batch 8, 4 microbatches (1 sequence each), the first stage (layers 0 and 1)."""
+    s, h, v, e = CFG.seq, CFG.d_model, CFG.vocab, 4
+    traffic = predict_axis_traffic(
+        CFG,
+        TrainConfig(),
+        {"tp": 2, "pp": 2, "dp": 2, "zero": 0, "sp": False, "schedule": "1f1b", "microbatches": 4, "chunks": 1},
+        0,
+    )
+    S = e * 1 * s * h  # one microbatch's activations
+    assert traffic["tp"] == 4 * (2 * 4 + 1) * (2 * 1 / 2) * S  # per microbatch: 2 layers x 4 all-reduces + embedding
+    assert traffic["pp"] == 4 * S  # it sends each microbatch's activations forward once
+    assert traffic["embedding"] == e * v // 2 * h  # its half of the tied embedding's gradient, all-reduced in 2
+    assert traffic["dp"] > 0
+
+
+def test_the_grid_on_nodes_puts_each_axis_on_its_link():
+    run = run_scheme("3d", 8, CFG, TrainConfig(steps=1), tp=2, pp=2, dp=2, hardware="h100", gpus_per_node=2)
+    # Two GPUs per node: each TP pair shares a node; PP and DP groups span nodes.
+    inside = replay(run.result.programs, run.result.comm, "h100", gpus_per_node=8).summary()
+    assert run.report["modeled"]["comm_s"] > inside["comm_s"]
+    assert run.report["bubble_fraction"] == run.report["modeled"]["bubble_fraction"]
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ({"tp": 2, "pp": 2, "dp": 1}, "DP 1 x PP 2 x TP 2 = 4 ranks, but the world has 8.*with TP 2 x PP 2, DP = 2"),
+        ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, "ZeRO-1 at most"),
+        ({"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}, "zb-h1 with tensor parallelism"),
+        ({"tp": 1, "pp": 8, "dp": 1, "microbatches": 8}, "8 pipeline stages \\(ranks x chunks\\) for 4 layers"),
+        ({"tp": 2, "pp": 8, "dp": 1}, "TP x PP = 16 must divide 8"),
+        ({"tp": 1, "pp": 2, "dp": 4}, "does not split into 4 equal microbatches"),
+    ],
+)
+def test_impossible_grids_are_refused_before_any_rank_starts(grid, message):
+    with pytest.raises(ValueError, match=message):
+        run_scheme("3d", 8, CFG, **grid)

@@ -85,6 +85,12 @@ def _train_config(args) -> TrainConfig:
     return TrainConfig(steps=args.steps, batch=args.batch, seed=args.seed, dtype=args.dtype)
 
 
+def _pipeline_stages(args, world_size: int) -> int:
+    """How many pipeline stages (ranks x chunks) the run cuts the model into."""
+    stages = world_size if args.scheme == "pp" else (args.pp or 2) if args.scheme == "3d" else 1
+    return stages * (args.chunks or 1)
+
+
 def _model_config(args, stages: int = 1) -> GPTConfig:
     """The tiny GPT, with ``--layers`` or, by default, 2 layers or one per pipeline stage if there are more."""
     return GPTConfig(layers=args.layers or max(GPTConfig().layers, stages))
@@ -115,6 +121,8 @@ def _scheme_options(args) -> dict:
         "microbatches": args.microbatches,
         "chunks": args.chunks,
     }
+    if args.scheme == "3d":
+        options |= {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero, "sp": True if args.sp else None}
     if args.naive and args.bucket_mb is not None:
         raise SystemExit("run: --naive (one all-reduce per gradient) and --bucket-mb exclude each other")
     return {k: v for k, v in options.items() if v is not None or (k == "bucket_mb" and args.naive)}
@@ -123,8 +131,19 @@ def _scheme_options(args) -> dict:
 def cmd_run(args) -> int:
     from course_lib.schemes import run_scheme
 
-    world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or args.tp or 4)
-    if args.tp is not None and (args.scheme not in ("tp", "sp") or args.tp != world_size):
+    if args.scheme == "3d":
+        world_size = (args.tp or 2) * (args.pp or 2) * (args.dp or 2)
+        if args.world_size not in (None, world_size):
+            raise SystemExit(f"run 3d: --world-size {args.world_size} but --tp x --pp x --dp = {world_size}")
+    else:
+        world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or args.tp or 4)
+    if args.scheme != "3d" and (args.pp or args.dp or args.zero is not None or args.sp):
+        raise SystemExit(f"run {args.scheme}: --pp, --dp, --zero and --sp belong to a 3d run")
+    if (
+        args.tp is not None
+        and args.scheme not in ("3d",)
+        and (args.scheme not in ("tp", "sp") or args.tp != world_size)
+    ):
         raise SystemExit(
             f"run {args.scheme}: --tp {args.tp} is the tensor-parallel degree of tp and sp, whose ranks form one "
             f"group (world size = tp); combining TP with other axes is what a 3D run does"
@@ -133,7 +152,7 @@ def cmd_run(args) -> int:
         run = run_scheme(
             args.scheme,
             world_size,
-            _model_config(args, world_size * (args.chunks or 1) if args.scheme == "pp" else 1),
+            _model_config(args, _pipeline_stages(args, world_size)),
             _train_config(args),
             backend=args.backend,
             hardware=args.hardware,
@@ -292,6 +311,56 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ plan
+def cmd_plan(args) -> int:
+    from course_lib.plan import describe, make_model, plan
+
+    try:
+        model = make_model(args.preset, args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq)
+        result = plan(
+            model,
+            args.gpus,
+            args.gpus_per_node,
+            args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
+            args.hardware,
+            args.global_batch,
+            args.micro_batch,
+            no_model_parallel=args.no_model_parallel,
+        )
+    except ValueError as err:
+        raise SystemExit(f"plan: {err}") from None
+    _write_json(result.as_dict(), args.json)
+    nodes = -(-result.gpus // result.gpus_per_node)
+    _say(
+        args,
+        f"{model.name}: {model.params / 1e9:.1f}B parameters on {result.gpus} GPUs ({nodes} node"
+        f"{'s' * (nodes > 1)} of {result.gpus_per_node}, {result.hardware}, {result.gpu_mem_bytes / 1e9:g} GB each)",
+    )
+    _say(
+        args,
+        f"  choice: {describe(result)}, {result.microbatches} microbatches of {result.micro_batch} per DP rank"
+        + (", selective recompute" if result.recompute != "none" else ""),
+    )
+    _say(
+        args,
+        f"  memory per GPU {result.memory_per_gpu_bytes / 1e9:.1f} GB of {result.gpu_mem_bytes / 1e9:g} GB; "
+        f"bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s",
+    )
+    _say(args, "  why:")
+    for reason in result.reasons:
+        _say(args, f"    - {reason}")
+    fitting = [c for c in result.candidates if c.fits]
+    _say(args, f"  top candidates (of {len(fitting)} that fit):")
+    for i, c in enumerate(fitting[:3], 1):
+        mark = "   <- chosen" if describe(c) == describe(result) else ""
+        _say(
+            args,
+            f"    {i}. {describe(c):<32}{c.memory_per_gpu_bytes / 1e9:7.1f} GB   bubble {c.bubble_fraction:6.1%}   "
+            f"step {c.step_time_s:.3g} s{mark}",
+        )
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def _positive_float(text: str) -> float:
     value = float(text)
@@ -331,7 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
     run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
     run.add_argument("--world-size", type=int, help="number of ranks (default 4; 1 for single)")
-    run.add_argument("--tp", type=int, help="tp, sp: the tensor-parallel degree (the world size)")
+    run.add_argument("--tp", type=int, help="tp, sp: the tensor-parallel degree (the world size); 3d: TP size")
+    run.add_argument("--pp", type=int, help="3d: pipeline stages (default 2)")
+    run.add_argument("--dp", type=int, help="3d: data-parallel replicas (default 2)")
+    run.add_argument("--zero", type=int, choices=[0, 1], help="3d: ZeRO-1 over the data-parallel axis")
+    run.add_argument("--sp", action="store_true", help="3d: sequence parallel inside the TP groups")
     run.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)")
     run.add_argument("--naive", action="store_true", help="dp: one all-reduce per gradient, after backward")
     run.add_argument("--grad-accum", type=int, help="micro-batches per step, synced once (default 1)")
@@ -365,6 +438,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     hw = sub.add_parser("hardware", help="list the hardware profiles of the modeled clock")
     hw.set_defaults(func=cmd_hardware)
+
+    from course_lib.hardware import PROFILES
+    from course_lib.plan import PRESETS
+
+    pl = sub.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
+    pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
+    pl.add_argument("--params", type=_positive_float, help="parameter count, e.g. 30e9 (alone: a GPT-3-like shape)")
+    for dim in ("layers", "hidden", "heads", "vocab", "seq"):
+        pl.add_argument(f"--{dim}", type=int)
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, help="default: the hardware profile's")
+    pl.add_argument("--gpu-mem-gb", type=_positive_float, help="memory per GPU (default: the hardware profile's)")
+    pl.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
+    pl.add_argument("--global-batch", type=int, help="sequences per step (default: the preset's, else 1024)")
+    pl.add_argument("--micro-batch", type=int, default=1)
+    pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
+    pl.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
+    pl.set_defaults(func=cmd_plan)
 
     for p in (mem, run, demo, sch, hw):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")

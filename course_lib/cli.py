@@ -277,7 +277,7 @@ def cmd_demo(args) -> int:
     rows, reports = [], []
     started = time.perf_counter()
     for name, spec in SCHEMES.items():
-        n = 1 if spec.single_rank else args.world_size
+        n = 1 if spec.single_rank else 8 if name == "3d" else args.world_size  # 3d: a 2 x 2 x 2 grid
         run = run_scheme(name, n, _model_config(args, args.world_size), train, backend=args.backend)
         reports.append(run.report)
         r0 = run.report["ranks"][0]

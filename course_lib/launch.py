@@ -193,11 +193,12 @@ def _context() -> mp.context.BaseContext:
 def _payload(fn, args, kwargs) -> bytes:
     """cloudpickle ``fn`` and its arguments; code outside installed packages travels by value."""
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    installed = (sys.prefix, sys.base_prefix)  # the environment's packages and the standard library
     by_value = (
         module is not None
         and module.__name__ != "__main__"
         and not module.__name__.startswith("course_lib")
-        and not (getattr(module, "__file__", None) or "").startswith(sys.prefix)
+        and not (getattr(module, "__file__", None) or "").startswith(installed)
     )
     if by_value:
         cloudpickle.register_pickle_by_value(module)

@@ -8,6 +8,8 @@ them, else None), ``memory`` (a :class:`course_lib.memory.MemoryReport` dict of 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,6 +162,17 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
             f"ranks x {accum} micro-batches; use a batch that is a multiple of {world_size * accum}"
         )
     return spec
+
+
+def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwargs):
+    """In this rank's process only, replace one component, then run the scheme's rank function."""
+    module_name, path, replacement = patch
+    owner = importlib.import_module(module_name)
+    *outer, attribute = path.split(".")
+    for name in outer:
+        owner = getattr(owner, name)
+    setattr(owner, attribute, replacement)
+    return rank_fn(*args, **kwargs)
 
 
 def _check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
@@ -376,16 +389,19 @@ def run_scheme(
     timeout: float = 120.0,
     hardware: str | None = None,
     gpus_per_node: int | None = None,
+    patch: tuple[str, str, Callable] | None = None,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
-    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster."""
+    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster. ``patch`` =
+    (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts)."""
     spec = validate(scheme, world_size, cfg, train, options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
+    rank_fn = functools.partial(_patched, spec.rank_fn, patch) if patch else spec.rank_fn
     result = launch.run(
-        spec.rank_fn,
+        rank_fn,
         world_size,
         cfg,
         train,

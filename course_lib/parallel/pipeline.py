@@ -162,6 +162,17 @@ def _forget(key, *stores) -> None:
         store.pop(key, None)
 
 
+def sum_tied_embedding(stages: dict[int, PipelineStage], group) -> None:
+    """The first and the last stage each hold the tied embedding and each computed part of its gradient (lookup,
+    output head): sum the two over their 2-rank ``group`` so that both take the same step (None: one rank holds
+    both, nothing to do)."""
+    holder = next((s for s in stages.values() if s.first or s.last), None)
+    if group is None or holder is None:
+        return
+    with trace.tags(phase="embedding_sync"):
+        comm.all_reduce(holder.tok_emb.weight.grad, group=group)
+
+
 def train_pipeline(
     cfg: GPTConfig,
     train: TrainConfig,
@@ -192,9 +203,7 @@ def train_pipeline(
                 shape,
                 train.torch_dtype,
             )
-            if tied is not None and rank in (0, p - 1):
-                with trace.tags(phase="embedding_sync"):
-                    comm.all_reduce(stages[0 if rank == 0 else chunks - 1].tok_emb.weight.grad, group=tied)
+            sum_tied_embedding(stages, tied)
             with trace.span("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)

@@ -20,7 +20,7 @@ from course_lib.memory import MemoryMeter
 from course_lib.mesh import AXES, axis_groups, build_mesh
 from course_lib.models import GPTConfig, TrainConfig, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import all_reduce_grads, batch_shard, micro_batches
-from course_lib.parallel.pipeline import build_stages, run_schedule
+from course_lib.parallel.pipeline import build_stages, run_schedule, sum_tied_embedding
 from course_lib.parallel.schedules import generate
 from course_lib.parallel.tensor import TensorParallelGPT, sequence_parallel_params, unshard
 from course_lib.parallel.zero import ShardedOptimizer
@@ -53,7 +53,7 @@ def train_3d(
     table = generate(schedule, pp, microbatches, chunks)[stage_rank]
     local_batch = train.batch // dp
     shape = (local_batch // microbatches, cfg.seq // tp if sp else cfg.seq, cfg.d_model)
-    holds_first, holds_last = stage_rank == 0, stage_rank == pp - 1
+    holds_last = stage_rank == pp - 1
     losses = []
     for step in range(train.steps):
         tokens, targets = (
@@ -74,9 +74,7 @@ def train_3d(
             with trace.tags(phase="grad_sync"):
                 if sp:
                     all_reduce_grads(sequence_parallel_params(held), mesh.groups["tp"])
-                if tied is not None and (holds_first or holds_last):
-                    first_or_last = stages[0 if holds_first else chunks - 1]
-                    comm.all_reduce(first_or_last.tok_emb.weight.grad, group=tied)
+                sum_tied_embedding(stages, tied)
                 if sharded:
                     sharded.finish_gradients()
                 else:

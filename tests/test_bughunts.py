@@ -1,0 +1,64 @@
+"""Each bug hunt fails the equivalence harness (and leaves a clue in the ledger) until fixed, and passes after."""
+
+import torch.nn.functional as F
+
+from course_lib import comm
+from course_lib.bughunts import BUGS, check_fix, hunt, matches_one_device
+from course_lib.parallel.data import all_reduce_grads
+from course_lib.parallel.tensor import ReduceFromTensorParallel
+
+
+def fixed_row_forward(self, x):
+    """What a student writes: sum the partial outputs over the group (Megatron's g), then add the bias."""
+    return ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group) + self.bias
+
+
+def fixed_finish_gradients(self):
+    all_reduce_grads(self.model.sequence_parallel_params(), self.model.group)
+
+
+def fixed_tied_embedding(stages, group):
+    for stage in stages.values():
+        if (stage.first or stage.last) and group is not None:
+            comm.all_reduce(stage.tok_emb.weight.grad, group=group)
+            return
+
+
+FIXES = {
+    "tp-forgets-allreduce": fixed_row_forward,
+    "sp-layernorm-grads": fixed_finish_gradients,
+    "pp-tied-embedding": fixed_tied_embedding,
+}
+
+
+def layer0_forward_ops(run):
+    return sorted(
+        r.op
+        for r in run.result.comm[0]
+        if r.tags.get("step") == 0 and r.tags.get("layer") == 0 and r.tags.get("direction") == "forward"
+    )
+
+
+def test_every_hunt_fails_until_fixed_and_passes_after():
+    assert set(FIXES) == set(BUGS)
+    for name, fix in FIXES.items():
+        broken = hunt(name)
+        assert not matches_one_device(broken), name
+        ok, note = check_fix(name, fix)
+        assert ok, f"{name}: {note}"
+
+
+def test_the_ledger_shows_the_clue():
+    # TP: layer 0 makes no all-reduce forward (it should make two).
+    assert layer0_forward_ops(hunt("tp-forgets-allreduce")) == []
+    assert layer0_forward_ops(hunt("tp-forgets-allreduce", fixed_row_forward)) == ["all_reduce", "all_reduce"]
+    # SP: no gradient sum over the TP group after backward.
+    phases = {r.tags.get("phase") for r in hunt("sp-layernorm-grads").result.comm[0]}
+    assert "sp_grad_sync" not in phases
+    # PP: the first and last stage never talk on the embedding group.
+    assert "embedding" not in {r.group for r in hunt("pp-tied-embedding").result.comm[0]}
+
+
+def test_a_wrong_fix_is_told_so():
+    ok, note = check_fix("tp-forgets-allreduce", lambda self, x: F.linear(x, self.weight) * 2 + self.bias)
+    assert not ok and note.startswith("not yet")

@@ -95,18 +95,20 @@ def build_stages(model: TinyGPT, rank: int, p: int, chunks: int) -> dict[int, Pi
 def run_schedule(
     table: list[Action],
     stages: dict[int, PipelineStage],
-    tokens: list[torch.Tensor],
-    targets: list[torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    microbatches: int,
     activation_shape: tuple[int, ...],
     dtype: torch.dtype,
     peers: list[int] | None = None,
     group=None,
 ) -> list[float]:
-    """Execute one rank's table for one step; returns the losses of the microbatches it finished (last stage).
+    """Execute one rank's table for one step on its ``batch`` (tokens, targets) cut into ``microbatches``;
+    returns the losses of the microbatches it finished (last stage).
 
     ``peers`` maps the table's pipeline ranks to global ranks and ``group`` is the pipeline's process group
     (default: the whole world is the pipeline)."""
-    device, m = launch.rank_device(), len(tokens)
+    device, m = launch.rank_device(), microbatches
+    tokens, targets = (micro_batches(t, microbatches) for t in batch)
     split = any(a.kind == "W" for a in table)
     inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
 
@@ -192,17 +194,10 @@ def train_pipeline(
     shape = (train.batch // microbatches, cfg.seq, cfg.d_model)
     losses = []
     for step in range(train.steps):
-        tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
         meter = MemoryMeter(held, optimizer, device=launch.rank_device()) if measure_memory else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
-            step_losses = run_schedule(
-                table,
-                stages,
-                micro_batches(tokens, microbatches),
-                micro_batches(targets, microbatches),
-                shape,
-                train.torch_dtype,
-            )
+            batch = synthetic_tokens(step, train.batch, cfg, train.seed)
+            step_losses = run_schedule(table, stages, batch, microbatches, shape, train.torch_dtype)
             sum_tied_embedding(stages, tied)
             with trace.span("optimizer"):
                 optimizer.step()

@@ -19,7 +19,7 @@ from course_lib import comm, launch, trace
 from course_lib.memory import MemoryMeter
 from course_lib.mesh import AXES, axis_groups, build_mesh
 from course_lib.models import GPTConfig, TrainConfig, make_optimizer, synthetic_tokens
-from course_lib.parallel.data import all_reduce_grads, batch_shard, micro_batches
+from course_lib.parallel.data import all_reduce_grads, batch_shard
 from course_lib.parallel.pipeline import build_stages, run_schedule, sum_tied_embedding
 from course_lib.parallel.schedules import generate
 from course_lib.parallel.tensor import TensorParallelGPT, sequence_parallel_params, unshard
@@ -56,16 +56,14 @@ def train_3d(
     holds_last = stage_rank == pp - 1
     losses = []
     for step in range(train.steps):
-        tokens, targets = (
-            batch_shard(t, mesh.coords["dp"], dp) for t in synthetic_tokens(step, train.batch, cfg, train.seed)
-        )
         meter = MemoryMeter(held, optimizer, device=device) if measure_memory else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
+            mine = [batch_shard(t, mesh.coords["dp"], dp) for t in synthetic_tokens(step, train.batch, cfg, train.seed)]
             step_losses = run_schedule(
                 table,
                 stages,
-                micro_batches(tokens, microbatches),
-                micro_batches(targets, microbatches),
+                mine,
+                microbatches,
                 shape,
                 train.torch_dtype,
                 peers=mesh.members["pp"],

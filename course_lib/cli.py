@@ -1,4 +1,4 @@
-"""``python -m course_lib`` (also ``course-lib``): the memory calculator, scheme runs and the demo tour.
+"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan and hardware.
 
 Every command takes ``--json FILE`` (``-`` for standard output) to write its result as JSON.
 """
@@ -454,10 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, help="sequences per step (default: the preset's, else 1024)")
     pl.add_argument("--micro-batch", type=int, default=1)
     pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
-    pl.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     pl.set_defaults(func=cmd_plan)
 
-    for p in (mem, run, demo, sch, hw):
+    for p in (mem, run, demo, sch, hw, pl):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     return parser
 

@@ -267,8 +267,3 @@ def summarize(recs: Iterable[CommRecord], by: str = "op") -> dict:
         out[key]["bytes"] += r.sent_bytes
         out[key]["tensor_bytes"] += r.tensor_bytes
     return dict(out)
-
-
-def wall_time_s(recs: Iterable[CommRecord]) -> float:
-    """Total wall seconds spent inside the given calls (issue to completion)."""
-    return sum(r.end - r.start for r in recs)

@@ -260,19 +260,19 @@ def _collect(ranks: list[_RankState], deadline: float, timeout: float, status) -
             raise RankError(_timeout_message(ranks, pending, timeout, status))
         for obj in ready:
             r = waitables[obj]
-            if r in pending and _drain(ranks[r], r):
+            if r in pending and _drain(ranks[r]):
                 pending.discard(r)
         failed = [r for r, s in enumerate(ranks) if s.error or s.exit_note]
         if failed:
             # Let the other ranks' reports that are already on their way arrive, then name the root cause.
             time.sleep(0.2)
             for r in list(pending):
-                _drain(ranks[r], r)
+                _drain(ranks[r])
             raise _failure(ranks, status)
 
 
-def _drain(state: _RankState, rank: int) -> bool:
-    """Read what rank ``rank`` sent; True once it has reported a result or an error, or has died."""
+def _drain(state: _RankState) -> bool:
+    """Read what a rank sent; True once it has reported a result or an error, or has died."""
     try:
         while state.conn.poll():
             kind, body = state.conn.recv()

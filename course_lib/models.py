@@ -39,10 +39,6 @@ class GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.heads
-
 
 @dataclass(frozen=True)
 class TrainConfig:

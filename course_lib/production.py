@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib import launch, trace
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import batch_shard
-from course_lib.parallel.pipeline import build_stages
+from course_lib.parallel.pipeline import build_stages, stage_params
 from course_lib.parallel.schedules import validate
 from course_lib.parallel.tensor import check_tensor_parallel
 
@@ -274,7 +274,7 @@ def train_torch_pipelining(
                 launch.sync(device)
         if last:
             losses.append(sum(loss.item() for loss in step_losses))
-    params = {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
+    params = stage_params(stages)
     return {"losses": losses if last else None, "params": params}
 
 

@@ -30,7 +30,7 @@ from course_lib.models import (
 )
 from course_lib.parallel.data import train_data_parallel
 from course_lib.parallel.pipeline import PipelineStage, split_layers, train_pipeline
-from course_lib.parallel.schedules import Costs, bubble_formula, simulate
+from course_lib.parallel.schedules import bubble_formula, default_costs, simulate
 from course_lib.parallel.schedules import generate as generate_schedule
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
@@ -192,7 +192,9 @@ def _layout(
     return model, flat_sizes(model, world_size, stage, int(options.get("bucket_mb", 0.1) * 1e6))
 
 
-def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> list[dict]:
+def predict_memory(
+    scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict
+) -> list[dict] | None:
     """Predicted bytes per rank by category, for comparison with what the ranks measured.
 
     With e bytes per element, P trainable and F frozen parameters and T trainable tensors: DP keeps eP + eF of
@@ -201,13 +203,18 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
     state (stage 1: 2e Pad/n + 4k), then the gradients (stage 2: e Pad/n), then the parameters (stage 3: e Pad/n;
     frozen parameters stay whole). TP divides the split matrices (and the vocabulary) by t and keeps LayerNorms and
     row-parallel biases whole. Activations follow :func:`course_lib.memory.tiny_gpt_activation_bytes` for one
-    micro-batch of this rank's share of the batch.
+    micro-batch of this rank's share of the batch. Pipelines are predicted rank by rank; 3D runs not at all here
+    (the harness shows what each rank measured; the planner holds the 3D memory model).
     """
+    spec = SCHEMES[scheme]
+    if spec.name == "3d":
+        return None
+    if spec.name == "pp":
+        return _predict_pipeline_memory(cfg, train, world_size, PIPELINE_DEFAULTS | options)
     model, sizes = _layout(scheme, world_size, cfg, train, options)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     F = count_params(model, trainable_only=False) - count_params(model)  # frozen
     e, n = train.torch_dtype.itemsize, world_size
-    spec = SCHEMES[scheme]
     if sizes:
         stage, pad = spec.fixed["stage"], sum(sizes)
         row = {
@@ -218,11 +225,7 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
     else:
         t = 1 if spec.splits_batch else n
         held = sum(p.numel() // t if sharding(name) else p.numel() for name, p in trainable)
-        row = {"params": e * (held + F), "grads": e * held, "optimizer": 2 * e * held + 4 * len(trainable)}
-    if spec.name == "3d":
-        return None  # measured and shown per rank; the 3D memory model lives in the planner
-    if spec.name == "pp":
-        return _predict_pipeline_memory(cfg, train, n, PIPELINE_DEFAULTS | options)
+        row = _states(e, held, F, len(trainable))
     if spec.splits_batch:
         micro = train.batch // (world_size * options.get("grad_accum", 1))
         row["activations"] = tiny_gpt_activation_bytes(cfg, micro, e)["total"]
@@ -231,10 +234,16 @@ def predict_memory(scheme: str, world_size: int, cfg: GPTConfig, train: TrainCon
     return [dict(row) for _ in range(world_size)]
 
 
+def _states(e: int, trainable: int, frozen: int, tensors: int) -> dict:
+    """Model-state bytes of a rank that holds its parameters whole: AdamW's two moments per trainable element and a
+    4-byte step counter per trainable tensor."""
+    return {"params": e * (trainable + frozen), "grads": e * trainable, "optimizer": 2 * e * trainable + 4 * tensors}
+
+
 def _pipeline_plan(p: int, o: dict) -> dict:
     """The schedule's plan with equal F and B costs (and W = F when it splits the backward), beside the formula."""
-    costs = Costs(1.0, 1.0, 1.0 if o["schedule"] == "zb-h1" else 0.0)
-    plan = simulate(generate_schedule(o["schedule"], p, o["microbatches"], o["chunks"], costs), costs)
+    costs = default_costs(o["schedule"])
+    plan = simulate(generate_schedule(o["schedule"], p, o["microbatches"], o["chunks"]), costs)
     return {
         **o,
         "planned_bubble_fraction": plan.bubble_fraction,
@@ -243,6 +252,7 @@ def _pipeline_plan(p: int, o: dict) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=8)
 def _pipeline_stages(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) -> list[dict[int, PipelineStage]]:
     model = TinyGPT(cfg, dtype=train.torch_dtype)
     ranges = split_layers(cfg.layers, p * chunks)
@@ -281,14 +291,7 @@ def _predict_pipeline_memory(cfg: GPTConfig, train: TrainConfig, p: int, o: dict
             elif a.kind == ("W" if split else "B"):
                 live -= per_mb[a.chunk]
             peak = max(peak, live)
-        rows.append(
-            {
-                "params": e * (n_train + frozen),
-                "grads": e * n_train,
-                "optimizer": 2 * e * n_train + 4 * len(trainable),
-                "activations": peak,
-            }
-        )
+        rows.append(_states(e, n_train, frozen, len(trainable)) | {"activations": peak})
     return rows
 
 

@@ -9,7 +9,7 @@ Distributed: Experiences on Accelerating Data Parallel Training", §3).
 * gradient accumulation (§3.2.4, ``no_sync``): inner micro-steps only accumulate local gradients; the last one syncs.
 
 Per step each rank sends 2(n-1)/n x (gradient bytes), however the gradients are grouped. This file also holds the
-training loop that the data-parallel family (here and in ``zero.py``) shares.
+training loop that the data-parallel family (here and in ``zero.py``) and tensor parallelism share.
 """
 
 from __future__ import annotations
@@ -189,9 +189,9 @@ def train_loop(
 
     Each step: ``grad_accum`` micro-batches, forward and backward (loss scaled by 1/grad_accum, all but the last
     under ``no_sync``), then the strategy's gradient sync, the optimizer step, and the strategy's parameter sync.
-    ``measure_memory`` runs each step under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles
-    a CPU step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all
-    ranks), this rank taking share ``data_rank``.
+    ``measure_memory`` runs the last step (the one reported) under a :class:`MemoryMeter`, whose per-operator
+    bookkeeping roughly doubles a CPU step; benchmarks turn it off. The batch is split over ``data_size``
+    data-parallel ranks (default: all ranks), this rank taking share ``data_rank``.
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
@@ -202,7 +202,7 @@ def train_loop(
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
         micro = list(zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True))
         step_loss = 0.0
-        meter = MemoryMeter(model, optimizer, device=device) if measure_memory else None
+        meter = MemoryMeter(model, optimizer, device=device) if measure_memory and step == train.steps - 1 else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
             for k, (x, y) in enumerate(micro):
                 quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()

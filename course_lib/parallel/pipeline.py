@@ -22,7 +22,7 @@ from course_lib import comm, launch, trace
 from course_lib.memory import MemoryMeter
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import micro_batches
-from course_lib.parallel.schedules import Action, Costs, generate
+from course_lib.parallel.schedules import Action, generate
 
 
 def split_layers(layers: int, stages: int) -> list[range]:
@@ -83,6 +83,11 @@ class PipelineStage(nn.Module):
         return out
 
 
+def stage_params(stages: dict[int, PipelineStage]) -> dict[str, torch.Tensor]:
+    """The parameters of this rank's stages under the one-device model's names (detached copies on CPU)."""
+    return {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
+
+
 def build_stages(model: TinyGPT, rank: int, p: int, chunks: int) -> dict[int, PipelineStage]:
     """Rank ``rank``'s stages by chunk, cut from ``model`` (the one-device model or its tensor-parallel version);
     the model keeps only what its embedding and loss need, so the other ranks' layers are freed."""
@@ -136,7 +141,7 @@ def run_schedule(
                 comm.recv(grads[key], peer(a), group)
             elif a.kind == "B":
                 with trace.span("backward"):
-                    _backward(stage, outputs[key], grads.get(key), inputs.get(key), split)
+                    _backward(outputs[key], grads.get(key), inputs.get(key), split)
                 if not split:
                     _forget(key, outputs, grads)
             elif a.kind == "W":
@@ -151,7 +156,7 @@ def run_schedule(
     return losses
 
 
-def _backward(stage, out, grad, inp, split: bool) -> None:
+def _backward(out, grad, inp, split: bool) -> None:
     """B: the whole backward of a stage, or with ``split`` only the gradient of its input (W does the weights)."""
     if not split:
         torch.autograd.backward(out, grad)
@@ -187,14 +192,15 @@ def train_pipeline(
     rank, p = dist.get_rank(), dist.get_world_size()
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
     stages = build_stages(model, rank, p, chunks)
-    table = generate(schedule, p, microbatches, chunks, Costs(1, 1, 1))[rank]
+    table = generate(schedule, p, microbatches, chunks)[rank]
     held = nn.ModuleList(stages.values())
     optimizer = make_optimizer(held.parameters(), train)
     tied = comm.new_group([0, p - 1], "embedding") if p > 1 else None
     shape = (train.batch // microbatches, cfg.seq, cfg.d_model)
     losses = []
     for step in range(train.steps):
-        meter = MemoryMeter(held, optimizer, device=launch.rank_device()) if measure_memory else None
+        metered = measure_memory and step == train.steps - 1  # the reported step
+        meter = MemoryMeter(held, optimizer, device=launch.rank_device()) if metered else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
             batch = synthetic_tokens(step, train.batch, cfg, train.seed)
             step_losses = run_schedule(table, stages, batch, microbatches, shape, train.torch_dtype)
@@ -204,7 +210,7 @@ def train_pipeline(
                 optimizer.zero_grad(set_to_none=False)
             launch.sync(launch.rank_device())
         losses.append(sum(step_losses))
-    params = {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
+    params = stage_params(stages)
     last = any(s.last for s in stages.values())
     return {
         "losses": losses if last else None,

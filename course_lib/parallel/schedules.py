@@ -65,9 +65,18 @@ def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> 
             )
 
 
-def generate(schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs = Costs()) -> list[list]:
+def default_costs(schedule: str) -> Costs:
+    """The costs a table is planned with when none are given: F = B, and for ZB-H1 (whose W placement depends on
+    them) W = F as well, as in Qi et al.'s analysis. The executor runs these tables."""
+    return Costs(1.0, 1.0, 1.0 if schedule == "zb-h1" else 0.0)
+
+
+def generate(
+    schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs | None = None
+) -> list[list[Action]]:
     """The per-rank action tables of ``schedule`` (compute actions with their transfers)."""
     validate(schedule, stages, microbatches, chunks)
+    costs = costs or default_costs(schedule)
     p, m = stages, microbatches
     if schedule == "gpipe":
         order = [[("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))] for _ in range(p)]

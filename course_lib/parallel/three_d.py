@@ -41,8 +41,11 @@ def train_3d(
 ) -> dict:
     """Rank function: the world is a dp x pp x tp grid; see the module docstring."""
     mesh = build_mesh(dp=dp, pp=pp, tp=tp)
-    first_last = [comm.new_group([g[0], g[-1]], "embedding") if pp > 1 else None for g in axis_groups("pp", mesh.sizes)]
-    tied = first_last[[i for i, g in enumerate(axis_groups("pp", mesh.sizes)) if mesh.rank in g][0]]
+    tied = None  # the 2-rank group of this pipeline's first and last stage (every rank creates every such group)
+    for pipeline in axis_groups("pp", mesh.sizes):
+        group = comm.new_group([pipeline[0], pipeline[-1]], "embedding") if pp > 1 else None
+        if pipeline == mesh.members["pp"]:
+            tied = group
     device = launch.rank_device()
     model = TensorParallelGPT(cfg, train.seed, train.torch_dtype, group=mesh.groups["tp"], sp=sp).to(device)
     stage_rank = mesh.coords["pp"]
@@ -56,7 +59,7 @@ def train_3d(
     holds_last = stage_rank == pp - 1
     losses = []
     for step in range(train.steps):
-        meter = MemoryMeter(held, optimizer, device=device) if measure_memory else None
+        meter = MemoryMeter(held, optimizer, device=device) if measure_memory and step == train.steps - 1 else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
             mine = [batch_shard(t, mesh.coords["dp"], dp) for t in synthetic_tokens(step, train.batch, cfg, train.seed)]
             step_losses = run_schedule(

@@ -7,8 +7,8 @@ alone.
 
 * Stage 1, P_os (§5.1): full gradients are reduce-scattered bucket by bucket; each rank updates its slice with its
   own Adam state; the updated slices are all-gathered. Bytes per rank: (n-1)/n x 2 x Psi x b, as plain DP.
-* Stage 2, P_os+g (§5.2): the reduce-scatter of a bucket starts from a backward hook as soon as its gradients
-  exist, and those full gradients are dropped; a rank keeps only its gradient slice. Same bytes.
+* Stage 2, P_os+g (§5.2): as in stage 1 the reduce-scatter of a bucket starts from a backward hook as soon as its
+  gradients exist, but the full gradients are then dropped; a rank keeps only its gradient slice. Same bytes.
 * Stage 3, P_os+g+p (§5.3): parameters are sharded per unit (each transformer block, and one unit for the
   embedding and final LayerNorm); a unit's parameters are all-gathered before its forward, freed after, gathered
   again before its backward, and its gradients reduce-scattered; the next unit's gather is started early
@@ -191,8 +191,9 @@ class FullyShardedDataParallel(DataParallelStrategy):
         super().__init__(model, make_optimizer([u.shard for u in self.units], train))
         self._in_flight: list[tuple[FullyShardedUnit, torch.Tensor, comm.Handle]] = []
         self.ready = ReadyGroups([u.flat.params for u in self.units], self._reduce_scatter)
-        model.register_forward_pre_hook(lambda _m, _a: self._before_forward(self.root, self._first_block()))
-        model.register_forward_hook(lambda _m, _a, out: self._after_forward(self.root, out, self._last_block()))
+        first, last = self._block(0), self._block(len(self.blocks) - 1)
+        model.register_forward_pre_hook(lambda _m, _a: self._before_forward(self.root, first))
+        model.register_forward_hook(lambda _m, _a, out: self._after_forward(self.root, out, last))
         for i, block in enumerate(model.blocks):
             unit, nxt, prev = self.blocks[i], self._block(i + 1), self._block(i - 1)
             block.register_forward_pre_hook(lambda _m, _a, u=unit, nx=nxt: self._before_forward(u, nx))
@@ -200,12 +201,6 @@ class FullyShardedDataParallel(DataParallelStrategy):
 
     def _block(self, i: int) -> FullyShardedUnit | None:
         return self.blocks[i] if 0 <= i < len(self.blocks) else None
-
-    def _first_block(self):
-        return self._block(0)
-
-    def _last_block(self):
-        return self._block(len(self.blocks) - 1)
 
     def _before_forward(self, unit: FullyShardedUnit, next_unit: FullyShardedUnit | None) -> None:
         unit.ensure_gathered()

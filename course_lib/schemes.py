@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
 from course_lib.hardware import ModeledRun, get_profile, replay
@@ -28,14 +30,20 @@ from course_lib.models import (
     rel_param_diff,
     train_reference,
 )
-from course_lib.parallel.data import train_data_parallel
+from course_lib.parallel.data import split_into_buckets, train_data_parallel
 from course_lib.parallel.pipeline import PipelineStage, split_layers, train_pipeline
 from course_lib.parallel.schedules import bubble_formula, default_costs, simulate
 from course_lib.parallel.schedules import generate as generate_schedule
 from course_lib.parallel.schedules import validate as validate_schedule
-from course_lib.parallel.tensor import check_tensor_parallel, collectives_per_step, sharding, train_tensor_parallel
-from course_lib.parallel.three_d import train_3d
-from course_lib.parallel.zero import flat_sizes, train_zero
+from course_lib.parallel.tensor import (
+    check_tensor_parallel,
+    collectives_per_step,
+    sequence_parallel_grad_bytes,
+    sharding,
+    train_tensor_parallel,
+)
+from course_lib.parallel.three_d import ZERO1_BUCKET_BYTES, train_3d
+from course_lib.parallel.zero import FlatShard, flat_sizes, train_zero
 
 
 @dataclass(frozen=True)
@@ -328,25 +336,38 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     micro = train.batch // (d * m)
     stages = _pipeline_stages(cfg, train, p, o["chunks"])[c["pp"]]
     first, last = any(s.first for s in stages.values()), any(s.last for s in stages.values())
-    layers = {i for s in stages.values() for i in s.layers}
-    mine = {*layers} | ({"embedding"} if first else set()) | ({"head", "loss"} if last else set())
-    tp_bytes = sum(
-        ring_factor(op, t) * nbytes * (m if where is not None else 1)
-        for where, _, op, nbytes in collectives_per_step(cfg, micro, e, t, o["sp"])
-        if where in mine
-    )
+    layers = sorted(i for s in stages.values() for i in s.layers)
+    step = collectives_per_step(cfg, micro, e, o["sp"], layers, first, last)
+    tp_bytes = m * sum(ring_factor(op, t) * nbytes for *_, op, nbytes in step)
     if o["sp"]:
-        held_norms = 6 * cfg.d_model * len(layers) + (2 * cfg.d_model if last else 0)
-        tp_bytes += ring_factor("all_reduce", t) * e * held_norms
+        tp_bytes += ring_factor("all_reduce", t) * sequence_parallel_grad_bytes(cfg, e, len(layers), last)
     seq = cfg.seq // t if o["sp"] else cfg.seq
     table = generate_schedule(o["schedule"], p, m, o["chunks"])[c["pp"]]
-    out = {"tp": tp_bytes, "pp": float(sum(a.kind.startswith("SEND") for a in table) * e * micro * seq * cfg.d_model)}
+    out = {"tp": tp_bytes}
+    if p > 1:
+        out["pp"] = float(sum(a.kind.startswith("SEND") for a in table) * e * micro * seq * cfg.d_model)
     if p > 1 and (first or last):
         out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
-    held = {name: q for s in stages.values() for name, q in s.reference_names().items() if q.requires_grad}
-    numel = sum(q.numel() // t if sharding(name) else q.numel() for name, q in held.items())
+    held = [(name, q) for s in stages.values() for name, q in s.reference_names().items() if q.requires_grad]
+    if o["zero"]:  # reduce-scatter and all-gather of this rank's tensor-parallel shards, in padded buckets
+        shards = [torch.empty(_shard_shape(name, q, t), dtype=train.torch_dtype, device="meta") for name, q in held]
+        buckets = split_into_buckets(list(reversed(shards)), ZERO1_BUCKET_BYTES)
+        numel = sum(FlatShard(b, d, 0).padded for b in buckets)
+    else:
+        numel = sum(math.prod(_shard_shape(name, q, t)) for name, q in held)
     out["dp"] = ring_factor("all_reduce", d) * e * numel
     return out
+
+
+def _shard_shape(name: str, param, t: int) -> tuple[int, ...]:
+    """The shape of a tensor-parallel rank's shard of parameter ``name``."""
+    shape = list(param.shape)
+    split = sharding(name)
+    if split in ("rows", "heads"):
+        shape[0] //= t
+    elif split == "columns":
+        shape[1] //= t
+    return tuple(shape)
 
 
 def _predict_pipeline_comm(cfg: GPTConfig, train: TrainConfig, p: int, o: dict) -> list[dict]:
@@ -368,8 +389,10 @@ def _predict_symmetric_comm(scheme: str, world_size: int, cfg: GPTConfig, train:
     spec = SCHEMES[scheme]
     if not spec.splits_batch:
         out: dict = {}
-        for *_, op, nbytes in collectives_per_step(cfg, train.batch, e, n, spec.fixed["sp"]):
+        for *_, op, nbytes in collectives_per_step(cfg, train.batch, e, spec.fixed["sp"]):
             out[op] = out.get(op, 0.0) + ring_factor(op, n) * nbytes
+        if spec.fixed["sp"]:
+            out["all_reduce"] += ring_factor("all_reduce", n) * sequence_parallel_grad_bytes(cfg, e, cfg.layers)
         return out
     if n == 1:
         return {}  # one data-parallel rank has nothing to synchronise

@@ -14,6 +14,7 @@ GRIDS = [
     {"tp": 2, "pp": 2, "dp": 2, "zero": 1},
     {"tp": 2, "pp": 4, "dp": 1, "schedule": "gpipe", "microbatches": 8},
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
+    {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "microbatches": 2},  # ZeRO-1's buckets pad to a multiple of 4
 ]
 
 

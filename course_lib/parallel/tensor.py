@@ -275,8 +275,18 @@ def sharding(name: str) -> str | None:
     return "heads" if name.endswith("qkv.weight") else None
 
 
-def collectives_per_step(cfg: GPTConfig, batch: int, element_size: int, tp: int, sp: bool) -> list[tuple]:
-    """Every collective a tensor-parallel rank makes in one step, as (layer, direction, op, tensor bytes).
+def collectives_per_step(
+    cfg: GPTConfig,
+    batch: int,
+    element_size: int,
+    sp: bool,
+    layers: range | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> list[tuple]:
+    """Every collective a tensor-parallel rank makes in one step of one batch, as (layer, direction, op, tensor
+    bytes); by default the whole model, or a pipeline stage's ``layers`` with the embedding if ``first`` and the
+    head and loss if ``last``.
 
     Per layer: TP, all-reduces of the (b, s, h) activations, 2 forward (after each row-parallel linear) and 2
     backward (before each column-parallel linear). SP: each becomes an all-gather or reduce-scatter of the same
@@ -285,6 +295,7 @@ def collectives_per_step(cfg: GPTConfig, batch: int, element_size: int, tp: int,
     e b s bytes, and under SP one all-reduce of the sequence-parallel parameters' gradients.
     """
     S, small = element_size * batch * cfg.seq * cfg.d_model, element_size * batch * cfg.seq
+    layers = range(cfg.layers) if layers is None else layers
     if sp:
         layer = [("forward", "all_gather"), ("forward", "reduce_scatter")] * 2 + [
             ("backward", "all_gather"),
@@ -301,13 +312,18 @@ def collectives_per_step(cfg: GPTConfig, batch: int, element_size: int, tp: int,
     else:
         layer = [("forward", "all_reduce"), ("backward", "all_reduce")] * 2
         ends = [("embedding", "forward", "all_reduce"), ("head", "backward", "all_reduce")]
-    out = [(i, d, op, S) for i in range(cfg.layers) for d, op in layer]
-    out += [(where, d, op, S) for where, d, op in ends]
-    out += [("loss", "forward", "all_reduce", small)] * 3
-    if sp:
-        replicated_trainable = 6 * cfg.d_model * cfg.layers + 2 * cfg.d_model  # LayerNorms and row biases
-        out.append((None, None, "all_reduce", element_size * replicated_trainable))
+    out = [(i, d, op, S) for i in layers for d, op in layer]
+    out += [
+        (where, d, op, S) for where, d, op in ends if (where == "embedding" and first) or (where == "head" and last)
+    ]
+    out += [("loss", "forward", "all_reduce", small)] * 3 * last
     return out
+
+
+def sequence_parallel_grad_bytes(cfg: GPTConfig, element_size: int, layers: int, last: bool = True) -> int:
+    """Bytes of the gradients SP sums over the group after backward: per layer two LayerNorms (4h) and two
+    row-parallel biases (2h), and the final LayerNorm (2h) on the stage that holds it."""
+    return element_size * (6 * cfg.d_model * layers + 2 * cfg.d_model * last)
 
 
 def _shard(w: torch.Tensor, dim: int, r: int, t: int) -> torch.Tensor:

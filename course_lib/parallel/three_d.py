@@ -25,6 +25,8 @@ from course_lib.parallel.schedules import generate
 from course_lib.parallel.tensor import TensorParallelGPT, sequence_parallel_params, unshard
 from course_lib.parallel.zero import ShardedOptimizer
 
+ZERO1_BUCKET_BYTES = int(0.1e6)  # ZeRO-1's flat buffers over the data-parallel axis
+
 
 def train_3d(
     cfg: GPTConfig,
@@ -51,7 +53,9 @@ def train_3d(
     stage_rank = mesh.coords["pp"]
     stages = build_stages(model, stage_rank, pp, chunks)
     held = nn.ModuleList(stages.values())
-    sharded = ShardedOptimizer(held, train, 1, int(0.1e6), overlap=False, group=mesh.groups["dp"]) if zero else None
+    sharded = (
+        ShardedOptimizer(held, train, 1, ZERO1_BUCKET_BYTES, overlap=False, group=mesh.groups["dp"]) if zero else None
+    )
     optimizer = sharded.optimizer if sharded else make_optimizer(held.parameters(), train)
     table = generate(schedule, pp, microbatches, chunks)[stage_rank]
     local_batch = train.batch // dp

@@ -38,7 +38,7 @@ def _say(args, text: str = "") -> None:
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def cmd_memory(args) -> int:
+def cmd_memory(args: argparse.Namespace) -> int:
     dims = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
     if args.params is None:
         if args.layers is None or args.hidden is None or args.vocab is None:
@@ -128,7 +128,7 @@ def _scheme_options(args) -> dict:
     return {k: v for k, v in options.items() if v is not None or (k == "bucket_mb" and args.naive)}
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     from course_lib.schemes import run_scheme
 
     if args.scheme == "3d":
@@ -189,7 +189,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_schedule(args) -> int:
+def cmd_schedule(args: argparse.Namespace) -> int:
     from course_lib.parallel.schedules import Costs, bubble_formula, check, generate, simulate
 
     costs = Costs(args.f, args.b, args.w)
@@ -238,7 +238,7 @@ def cmd_schedule(args) -> int:
     return 0
 
 
-def cmd_hardware(args) -> int:
+def cmd_hardware(args: argparse.Namespace) -> int:
     from course_lib.hardware import PROFILES
 
     data = {name: {k: v for k, v in vars(p).items() if k != "name"} for name, p in PROFILES.items()}
@@ -270,7 +270,7 @@ def _save_plots(run, folder: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ demo
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib.schemes import SCHEMES, run_scheme
 
     train = _train_config(args)
@@ -312,7 +312,7 @@ def cmd_demo(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def cmd_plan(args) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     from course_lib.plan import describe, make_model, plan
 
     try:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from course_lib import trace
 
 ReduceOp = dist.ReduceOp
+Group = dist.ProcessGroup | None  # None: the whole world
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -74,6 +75,7 @@ class _Ledger:
 
 _LEDGER = _Ledger()
 _GROUP_NAMES: dict = {}
+_GROUP_RANKS: dict = {}  # global ranks of each group, looked up once instead of at every collective
 
 
 def reset() -> None:
@@ -96,10 +98,11 @@ def new_group(ranks: Sequence[int], name: str) -> dist.ProcessGroup:
     group = dist.new_group(list(ranks))
     if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
         _GROUP_NAMES[group] = name
+        _GROUP_RANKS[group] = tuple(ranks)
     return group
 
 
-def group_name(group: dist.ProcessGroup | None) -> str:
+def group_name(group: Group) -> str:
     if group is None or group is dist.group.WORLD:
         return "world"
     return _GROUP_NAMES.get(group, "group")
@@ -150,7 +153,10 @@ def _call(
     sent_bytes: float | None = None,
 ) -> Handle | None:
     n = dist.get_world_size(group)
-    members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    if group is None:
+        members = range(dist.get_world_size())
+    else:
+        members = _GROUP_RANKS.get(group) or dist.get_process_group_ranks(group)
     rec = CommRecord(
         op=op,
         group=group_name(group),
@@ -179,13 +185,19 @@ def _call(
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Handle | None:
+def all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp = ReduceOp.SUM, group: Group = None, async_op: bool = False
+) -> Handle | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
     return _call("all_reduce", group, _nbytes(tensor), lambda: dist.all_reduce(tensor, op, group, async_op), async_op)
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
 ) -> Handle | None:
     """Reduce ``input`` (n equal chunks along dim 0) over the group; rank i keeps chunk i in ``output``."""
     return _call(
@@ -197,14 +209,14 @@ def reduce_scatter(
     )
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False) -> Handle | None:
     """Concatenate every rank's ``input`` along dim 0 into ``output`` on every rank."""
     return _call(
         "all_gather", group, _nbytes(output), lambda: dist.all_gather_single(output, input, group, async_op), async_op
     )
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Handle | None:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     return _call("broadcast", group, _nbytes(tensor), lambda: dist.broadcast(tensor, src, group, async_op), async_op)
 
@@ -214,7 +226,7 @@ def all_to_all(
     input: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group=None,
+    group: Group = None,
     async_op: bool = False,
 ) -> Handle | None:
     """Rank i sends its j-th slice of ``input`` (dim 0) to rank j; uneven slices via the split sizes."""
@@ -233,27 +245,27 @@ def all_to_all(
     )
 
 
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking)."""
     _call("send", group, _nbytes(tensor), lambda: dist.send(tensor, dst, group), False, peer=dst)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv(tensor: torch.Tensor, src: int, group: Group = None) -> None:
     """Receive into ``tensor`` from global rank ``src`` (blocking)."""
     _call("recv", group, _nbytes(tensor), lambda: dist.recv(tensor, src, group), False, peer=src)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None) -> Handle:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> Handle:
     """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing the tensor."""
     return _call("send", group, _nbytes(tensor), lambda: dist.isend(tensor, dst, group), True, peer=dst)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None) -> Handle:
+def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> Handle:
     """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` the handle before reading it."""
     return _call("recv", group, _nbytes(tensor), lambda: dist.irecv(tensor, src, group), True, peer=src)
 
 
-def barrier(group=None) -> None:
+def barrier(group: Group = None) -> None:
     """Wait until every rank of the group gets here."""
     _call("barrier", group, 0, lambda: dist.barrier(group), False)
 

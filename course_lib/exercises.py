@@ -17,7 +17,7 @@ from pathlib import Path
 
 from course_lib.hardware import get_profile
 from course_lib.memory import model_state_formula
-from course_lib.plan import SHAPES, Candidate, evaluate, in_shape, plan
+from course_lib.plan import SHAPES, Candidate, describe, evaluate, in_shape, plan
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 # Beside the decision tree's shape, the lesson accepts FSDP where the model fits one node, and where it asks for FSDP
@@ -136,7 +136,7 @@ def grade(scenario_id: str, answer: str | dict, exercise: str = "pick_the_parall
         return Feedback(
             False,
             f"{NAMES[ans.shape][0].upper() + NAMES[ans.shape][1:]} does not fit: {why}, more than {gpu / 1e9:.0f} GB.",
-            reasons + [f"What fits: {NAMES[best.shape]}, {_layout(best)}."],
+            reasons + [f"What fits: {NAMES[best.shape]}, {describe(best, zero0=False)}."],
             key,
         )
     fastest = next(c for c in mine if c.fits)
@@ -145,7 +145,10 @@ def grade(scenario_id: str, answer: str | dict, exercise: str = "pick_the_parall
             "Right." if ans.shape == best.shape else f"Also right (the planner's first choice: {NAMES[best.shape]})."
         )
         return Feedback(
-            True, verdict, reasons + [f"{_layout(fastest)} fits: {_memory(fastest, gpu)}."] + best.reasons[2:], key
+            True,
+            verdict,
+            reasons + [f"{describe(fastest, zero0=False)} fits: {_memory(fastest, gpu)}."] + best.reasons[2:],
+            key,
         )
     slower = fastest.step_time_s / best.step_time_s
     return Feedback(
@@ -153,8 +156,8 @@ def grade(scenario_id: str, answer: str | dict, exercise: str = "pick_the_parall
         f"It would run, but it is not the right first choice: {_why_not(ans.shape, best.shape)}",
         reasons
         + [
-            f"Yours at its best, {_layout(fastest)}: {_memory(fastest, gpu)}, an estimated step "
-            f"{slower:.2f}x the planner's choice ({_layout(best)})."
+            f"Yours at its best, {describe(fastest, zero0=False)}: {_memory(fastest, gpu)}, an estimated step "
+            f"{slower:.2f}x the planner's choice ({describe(best, zero0=False)})."
         ],
         key,
     )
@@ -211,10 +214,6 @@ def _check_sizes(ans: Answer, s: dict, per_node: int, profile) -> str:
             f"{profile.intra_bandwidth / 1e9:g}."
         )
     return ""
-
-
-def _layout(c: Candidate) -> str:
-    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}" + (f", ZeRO-{c.zero}" if c.zero else "")
 
 
 def _memory(c: Candidate, gpu: float) -> str:

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -120,7 +121,7 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def run(
-    fn,
+    fn: Callable,
     world_size: int,
     *args,
     backend: str = "auto",

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from course_lib.models import GPTConfig
 
 BYTES_PER_PARAM = {
     # fp32 Adam: fp32 weights, fp32 grads, fp32 first and second moments.
@@ -103,7 +107,12 @@ class MemoryMeter(TorchDispatchMode):
     everything an operator creates inside counts from its creation to its free.
     """
 
-    def __init__(self, model: nn.Module | None = None, optimizer=None, device=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.model, self.optimizer = model, optimizer
         self.device = torch.device(device) if device is not None else None
@@ -256,7 +265,7 @@ def activation_bytes_per_layer(
 
 
 def tiny_gpt_activation_bytes(
-    cfg, micro_batch: int, element_size: int = 4, tp: int | None = None, sp: bool = False
+    cfg: GPTConfig, micro_batch: int, element_size: int = 4, tp: int | None = None, sp: bool = False
 ) -> dict[str, int]:
     """Exact saved-activation bytes of one forward of the tiny GPT (no dropout): the single-device
     :class:`course_lib.models.TinyGPT`, or with ``tp`` one rank of its tensor-parallel version (and ``sp``).

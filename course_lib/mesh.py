@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib import comm
 
@@ -103,10 +104,8 @@ def build_mesh(**sizes: int) -> Mesh:
     return mesh
 
 
-def to_device_mesh(sizes: dict[str, int], device_type: str = "cpu"):
+def to_device_mesh(sizes: dict[str, int], device_type: str = "cpu") -> DeviceMesh:
     """The same grid as PyTorch's DeviceMesh (dims named dp, pp, tp), for its parallel APIs."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     full = check_sizes(dist.get_world_size(), **sizes)
     layout = torch.arange(math.prod(full.values())).view(*(full[a] for a in AXES))
     return DeviceMesh(device_type, layout, mesh_dim_names=AXES)

@@ -211,8 +211,9 @@ class Plan(Candidate):
         return asdict(self)
 
 
-def describe(c: Candidate) -> str:
-    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}, ZeRO-{c.zero}"
+def describe(c: Candidate, zero0: bool = True) -> str:
+    """ "TP t x PP p x DP d, ZeRO-k" (without ", ZeRO-0" when ``zero0`` is False)."""
+    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}" + (f", ZeRO-{c.zero}" if c.zero or zero0 else "")
 
 
 def _bytes(x: float) -> str:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.comm import Group
 from course_lib.memory import MemoryMeter
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
 
@@ -57,7 +58,7 @@ def split_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Te
     return views
 
 
-def all_reduce_grads(params: list[nn.Parameter], group=None, average: bool = False) -> None:
+def all_reduce_grads(params: list[nn.Parameter], group: Group = None, average: bool = False) -> None:
     """Sum (or average) the gradients of ``params`` over ``group`` in one flat all-reduce."""
     params = [p for p in params if p.grad is not None]
     if not params:
@@ -143,7 +144,9 @@ class NaiveAllReduce(DataParallelStrategy):
 class BucketedAllReduce(DataParallelStrategy):
     """DDP's scheme: all-reduce buckets of gradients, started from backward hooks when ``overlap`` is on."""
 
-    def __init__(self, model, optimizer, bucket_bytes: int, overlap: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int, overlap: bool = True
+    ) -> None:
         super().__init__(model, optimizer)
         self.buckets = split_into_buckets(backward_order(model), bucket_bytes)
         self.overlap = overlap

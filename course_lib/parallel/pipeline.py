@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.comm import Group
 from course_lib.memory import MemoryMeter
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import micro_batches
@@ -105,7 +106,7 @@ def run_schedule(
     activation_shape: tuple[int, ...],
     dtype: torch.dtype,
     peers: list[int] | None = None,
-    group=None,
+    group: Group = None,
 ) -> list[float]:
     """Execute one rank's table for one step on its ``batch`` (tokens, targets) cut into ``microbatches``;
     returns the losses of the microbatches it finished (last stage).
@@ -115,6 +116,7 @@ def run_schedule(
     device, m = launch.rank_device(), microbatches
     tokens, targets = (micro_batches(t, microbatches) for t in batch)
     split = any(a.kind == "W" for a in table)
+    weights = {c: [p for p in s.parameters() if p.requires_grad] for c, s in stages.items()}
     inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
 
     def peer(a: Action) -> int:
@@ -146,8 +148,7 @@ def run_schedule(
                     _forget(key, outputs, grads)
             elif a.kind == "W":
                 with trace.span("weight_grad"):
-                    weights = [p for p in stage.parameters() if p.requires_grad]
-                    torch.autograd.backward(outputs[key], grads.get(key), inputs=weights)
+                    torch.autograd.backward(outputs[key], grads.get(key), inputs=weights[a.chunk])
                 _forget(key, outputs, grads)
             elif a.kind == "SEND_B":
                 sends.append(comm.isend(inputs.pop(key).grad, peer(a), group))
@@ -169,7 +170,7 @@ def _forget(key, *stores) -> None:
         store.pop(key, None)
 
 
-def sum_tied_embedding(stages: dict[int, PipelineStage], group) -> None:
+def sum_tied_embedding(stages: dict[int, PipelineStage], group: Group) -> None:
     """The first and the last stage each hold the tied embedding and each computed part of its gradient (lookup,
     output head): sum the two over their 2-rank ``group`` so that both take the same step (None: one rank holds
     both, nothing to do)."""

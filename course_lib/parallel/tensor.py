@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.comm import Group
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 
@@ -36,13 +37,13 @@ def _remember_layer(ctx) -> None:
     ctx.layer = trace.current_tags().get("layer")
 
 
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     out = x.contiguous().clone()
     comm.all_reduce(out, op=op, group=group)
     return out
 
 
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(b, s/t, h) on each rank -> (b, s, h): all-gather along the sequence."""
     t = dist.get_world_size(group)
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
@@ -50,7 +51,7 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out.unflatten(0, (t, x.shape[0])).transpose(0, 1).flatten(1, 2)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(b, s, h) partial sums on each rank -> (b, s/t, h) of the sum: reduce-scatter along the sequence."""
     t = dist.get_world_size(group)
     chunks = x.detach().unflatten(1, (t, -1)).transpose(0, 1).contiguous()  # (t, b, s/t, h)
@@ -127,7 +128,9 @@ class GatherSequenceLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, sp: bool) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, sp: bool
+) -> torch.Tensor:
     """x W_r^T + b_r for this rank's output columns; x arrives whole (through f) or as sequence shards (SP)."""
     if sp:
         return GatherSequenceLinear.apply(x, weight, bias, group)
@@ -137,7 +140,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, s
 class ColumnParallelLinear(nn.Module):
     """A linear layer holding this rank's output columns (rows of the weight)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sp: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, sp: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
@@ -150,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (g: all-reduce, or reduce-scatter to sequence shards under SP), then + b."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group, sp: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Group, sp: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone())
@@ -192,7 +195,9 @@ class TensorParallelGPT(TinyGPT):
     reference's weights under the reference's parameter names.
     """
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0, dtype=torch.float32, group=None, sp: bool = False) -> None:
+    def __init__(
+        self, cfg: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, group: Group = None, sp: bool = False
+    ) -> None:
         super().__init__(cfg, seed, dtype)
         t, r = dist.get_world_size(group), dist.get_rank(group)
         check_tensor_parallel(cfg, t, sp)
@@ -243,7 +248,7 @@ class TensorParallelGPT(TinyGPT):
         return {name: unshard(name, p, self.group, self.cfg.d_model) for name, p in self.named_parameters()}
 
 
-def unshard(name: str, p: torch.Tensor, group, hidden: int) -> torch.Tensor:
+def unshard(name: str, p: torch.Tensor, group: Group, hidden: int) -> torch.Tensor:
     """The whole parameter ``name`` from this rank's shard ``p`` (all-gathers over the tensor-parallel group)."""
     split, t = sharding(name), dist.get_world_size(group)
     if split == "rows":
@@ -330,7 +335,7 @@ def _shard(w: torch.Tensor, dim: int, r: int, t: int) -> torch.Tensor:
     return w.chunk(t, dim)[r].clone()
 
 
-def _gather(p: torch.Tensor, group) -> torch.Tensor:
+def _gather(p: torch.Tensor, group: Group) -> torch.Tensor:
     t = dist.get_world_size(group)
     out = p.new_empty((t, *p.shape))
     with trace.tags(phase="final"):

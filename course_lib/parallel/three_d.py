@@ -61,6 +61,7 @@ def train_3d(
     local_batch = train.batch // dp
     shape = (local_batch // microbatches, cfg.seq // tp if sp else cfg.seq, cfg.d_model)
     holds_last = stage_rank == pp - 1
+    sp_params, all_params = sequence_parallel_params(held), list(held.parameters())
     losses = []
     for step in range(train.steps):
         meter = MemoryMeter(held, optimizer, device=device) if measure_memory and step == train.steps - 1 else None
@@ -78,12 +79,12 @@ def train_3d(
             )
             with trace.tags(phase="grad_sync"):
                 if sp:
-                    all_reduce_grads(sequence_parallel_params(held), mesh.groups["tp"])
+                    all_reduce_grads(sp_params, mesh.groups["tp"])
                 sum_tied_embedding(stages, tied)
                 if sharded:
                     sharded.finish_gradients()
                 else:
-                    all_reduce_grads(list(held.parameters()), mesh.groups["dp"], average=True)
+                    all_reduce_grads(all_params, mesh.groups["dp"], average=True)
             with trace.span("optimizer"):
                 optimizer.step()
                 (sharded or optimizer).zero_grad()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.comm import Group
 from course_lib.memory import resize_storage
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer
 from course_lib.parallel.data import (
@@ -67,7 +68,7 @@ class ShardedOptimizer(DataParallelStrategy):
     """ZeRO stages 1 and 2: full parameters on every rank, optimizer state (and at stage 2 gradients) sharded."""
 
     def __init__(
-        self, model: nn.Module, train: TrainConfig, stage: int, bucket_bytes: int, overlap: bool, group=None
+        self, model: nn.Module, train: TrainConfig, stage: int, bucket_bytes: int, overlap: bool, group: Group = None
     ) -> None:
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.stage, self.overlap, self.group = stage, overlap, group

@@ -7,10 +7,11 @@ for its device.
 
 * From a notebook cell, pytest or a script: one local process per rank, started by a *forkserver* whose server has
   torch, torch.distributed and course_lib imported already (a launch costs about a second the first time and a
-  fraction of one after). The function travels with cloudpickle, so a function defined in a notebook cell works.
-  The processes meet at a TCP store that this process hosts on 127.0.0.1 (the OS picks a free port, so two runs
-  never collide). Each rank uses ``max(1, cores // world_size)`` threads. Backend: gloo on CPU, NCCL when CUDA
-  has at least ``world_size`` devices (rank r on ``cuda:r``).
+  fraction of one after). The function travels with cloudpickle, so a function defined in a notebook cell or in a
+  script without an ``if __name__ == "__main__":`` guard works: ranks never re-import the caller's main module.
+  The processes meet at a file store in a fresh temporary file (removed after the run, so two runs never collide).
+  Each rank uses ``max(1, cores // world_size)`` threads. Backend: gloo on CPU, NCCL when CUDA has at least
+  ``world_size`` devices (rank r on ``cuda:r``).
 * Under torchrun (RANK and WORLD_SIZE set) ``fn`` runs in place on this rank and the results of all ranks are
   gathered, so the same rank function serves notebooks, tests and multi-node GPU jobs.
 
@@ -28,12 +29,14 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import spawn
 from multiprocessing.connection import wait
 
 import cloudpickle
@@ -184,6 +187,27 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
 
 
 # ----------------------------------------------------------------------------------------------- local ranks
+_RANK_NAME = "course_lib-rank"
+_standard_preparation_data = spawn.get_preparation_data
+
+
+def _preparation_data(name: str) -> dict:
+    """What multiprocessing tells a new process before it starts, minus the caller's main module for our ranks.
+
+    multiprocessing re-runs the parent's ``__main__`` in every child so that pickled references to it resolve; a
+    script without an ``if __name__ == "__main__":`` guard would then launch ranks from inside its ranks. Our ranks
+    receive their function by value (cloudpickle), so they never need the caller's main module.
+    """
+    data = _standard_preparation_data(name)
+    if name.startswith(_RANK_NAME):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+spawn.get_preparation_data = _preparation_data
+
+
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     with _FORKSERVER_LOCK:
@@ -213,7 +237,10 @@ def _payload(fn, args, kwargs) -> bytes:
 def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
     ctx = _context()
     payload = _payload(fn, args, kwargs)
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    # Rendezvous through a file, not a TCP store hosted here: a rank's first connection to such a store was now and
+    # then reset and torch's client retried after a back-off of 1-5 s (one launch in four stalled ~5 s).
+    handle, store_path = tempfile.mkstemp(prefix="course_lib-store-")
+    os.close(handle)
     status = ctx.Array(ctypes.c_char, STATUS_BYTES * world_size, lock=False)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // world_size)
@@ -227,7 +254,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
                 args=(
                     rank,
                     world_size,
-                    store.port,
+                    store_path,
                     payload,
                     child_conn,
                     status,
@@ -237,7 +264,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
                     threads,
                     count_flops,
                 ),
-                name=f"course_lib-rank{rank}",
+                name=f"{_RANK_NAME}{rank}",
                 daemon=True,
             )
             process.start()
@@ -246,7 +273,8 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
         _collect(ranks, epoch + timeout, timeout, status)
     finally:
         _reap(ranks)
-        del store
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store_path)
     values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
     return RunResult(list(values), list(records), list(events), list(programs), backend, time.perf_counter() - epoch)
 
@@ -405,7 +433,7 @@ class _PipeWriter(io.TextIOBase):
             self._conn.send(("out", lines))
 
 
-def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, epoch, threads, count_flops) -> None:
+def _rank_main(rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops) -> None:
     global _DEVICE, _IN_RANK
     _IN_RANK = True
     lock = threading.Lock()
@@ -423,7 +451,8 @@ def _rank_main(rank, world_size, port, payload, conn, status, backend, timeout, 
             torch.cuda.set_device(_DEVICE)
         # The launcher's deadline, not gloo's, decides when a hang is reported, so the collectives wait longer.
         pg_timeout = timedelta(seconds=timeout + 30)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=pg_timeout)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(pg_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
         trace.reset(rank, epoch)
         comm.reset()

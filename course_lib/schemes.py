@@ -211,12 +211,15 @@ def predict_memory(
     state (stage 1: 2e Pad/n + 4k), then the gradients (stage 2: e Pad/n), then the parameters (stage 3: e Pad/n;
     frozen parameters stay whole). TP divides the split matrices (and the vocabulary) by t and keeps LayerNorms and
     row-parallel biases whole. Activations follow :func:`course_lib.memory.tiny_gpt_activation_bytes` for one
-    micro-batch of this rank's share of the batch. Pipelines are predicted rank by rank; 3D runs not at all here
-    (the harness shows what each rank measured; the planner holds the 3D memory model).
+    micro-batch of this rank's share of the batch. Pipelines and 3D grids are predicted rank by rank
+    (:func:`_predict_pipeline_memory`).
     """
     spec = SCHEMES[scheme]
     if spec.name == "3d":
-        return None
+        o = GRID_DEFAULTS | options
+        sizes = check_sizes(world_size, tp=o["tp"], pp=o["pp"], dp=o["dp"])
+        by_stage = _predict_pipeline_memory(cfg, train, o["pp"], o, tp=o["tp"], sp=o["sp"], dp=o["dp"], zero=o["zero"])
+        return [dict(by_stage[coords_of(rank, sizes)["pp"]]) for rank in range(world_size)]
     if spec.name == "pp":
         return _predict_pipeline_memory(cfg, train, world_size, PIPELINE_DEFAULTS | options)
     model, sizes = _layout(scheme, world_size, cfg, train, options)
@@ -269,22 +272,35 @@ def _pipeline_stages(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) ->
     ]
 
 
-def _predict_pipeline_memory(cfg: GPTConfig, train: TrainConfig, p: int, o: dict) -> list[dict]:
-    """Per rank: the states of the stages it holds, and the peak of the activations its table keeps alive — a
-    microbatch's, on a stage, from its F to its last backward pass (B, or W when the table splits them)."""
+def _predict_pipeline_memory(
+    cfg: GPTConfig,
+    train: TrainConfig,
+    p: int,
+    o: dict,
+    tp: int | None = None,
+    sp: bool = False,
+    dp: int = 1,
+    zero: int = 0,
+) -> list[dict]:
+    """Per pipeline rank: the states of the stages it holds, and the peak of the activations its table keeps
+    alive — a microbatch's, on a stage, from its F to its last backward pass (B, or W when the table splits them).
+
+    In a 3D grid (``tp`` given) a rank holds its tensor-parallel shard of each tensor, sees ``1/dp`` of the batch,
+    and with ``zero`` 1 keeps ZeRO-1's padded flat buffers of its shards: full parameters and gradients, 2e Pad/dp
+    of AdamW moments and a 4-byte step counter per buffer."""
     e, m = train.torch_dtype.itemsize, o["microbatches"]
-    acts = tiny_gpt_activation_bytes(cfg, train.batch // m, e)
-    stage_bytes = {
-        True: 8 * (train.batch // m) * cfg.seq,
-        False: acts["outside_layers"] - 8 * (train.batch // m) * cfg.seq,
-    }
+    micro = train.batch // (dp * m)
+    acts = tiny_gpt_activation_bytes(cfg, micro, e, tp=tp, sp=sp)
+    first_bytes = (8 if tp is None else 9) * micro * cfg.seq  # input token ids (and the vocabulary-parallel mask)
+    stage_bytes = {True: first_bytes, False: acts["outside_layers"] - first_bytes}
     tables = generate_schedule(o["schedule"], p, m, o["chunks"])
     rows = []
     for r, stages in enumerate(_pipeline_stages(cfg, train, p, o["chunks"])):
-        held = {id(q): q for s in stages.values() for q in s.reference_names().values()}.values()
-        trainable = [q for q in held if q.requires_grad]
-        n_train = sum(q.numel() for q in trainable)
-        frozen = sum(q.numel() for q in held if not q.requires_grad)
+        held = {id(q): (name, q) for s in stages.values() for name, q in s.reference_names().items()}.values()
+        trainable = [(name, q) for name, q in held if q.requires_grad]
+        shapes = [_shard_shape(name, q, tp or 1) for name, q in trainable]
+        n_train = sum(math.prod(shape) for shape in shapes)
+        frozen = sum(q.numel() for _, q in held if not q.requires_grad)
         per_mb = {
             c: len(s.layers) * acts["per_layer"]
             + (stage_bytes[True] if s.first else 0)
@@ -299,8 +315,20 @@ def _predict_pipeline_memory(cfg: GPTConfig, train: TrainConfig, p: int, o: dict
             elif a.kind == ("W" if split else "B"):
                 live -= per_mb[a.chunk]
             peak = max(peak, live)
-        rows.append(_states(e, n_train, frozen, len(trainable)) | {"activations": peak})
+        if zero:
+            pad = [FlatShard(b, dp, 0).padded for b in _zero1_buckets(shapes, train.torch_dtype)]
+            states = {"params": e * (sum(pad) + frozen), "grads": e * sum(pad)}
+            states["optimizer"] = 2 * e * sum(pad) // dp + 4 * len(pad)
+        else:
+            states = _states(e, n_train, frozen, len(trainable))
+        rows.append(states | {"activations": peak})
     return rows
+
+
+def _zero1_buckets(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """ZeRO-1's buckets over a 3D rank's trainable shards (in backward order: the reverse of the model's)."""
+    shards = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+    return split_into_buckets(list(reversed(shards)), ZERO1_BUCKET_BYTES)
 
 
 def predict_comm(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> list[dict]:
@@ -349,12 +377,11 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     if p > 1 and (first or last):
         out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
     held = [(name, q) for s in stages.values() for name, q in s.reference_names().items() if q.requires_grad]
+    shapes = [_shard_shape(name, q, t) for name, q in held]
     if o["zero"]:  # reduce-scatter and all-gather of this rank's tensor-parallel shards, in padded buckets
-        shards = [torch.empty(_shard_shape(name, q, t), dtype=train.torch_dtype, device="meta") for name, q in held]
-        buckets = split_into_buckets(list(reversed(shards)), ZERO1_BUCKET_BYTES)
-        numel = sum(FlatShard(b, d, 0).padded for b in buckets)
+        numel = sum(FlatShard(b, d, 0).padded for b in _zero1_buckets(shapes, train.torch_dtype))
     else:
-        numel = sum(math.prod(_shard_shape(name, q, t)) for name, q in held)
+        numel = sum(math.prod(shape) for shape in shapes)
     out["dp"] = ring_factor("all_reduce", d) * e * numel
     return out
 

@@ -1,7 +1,10 @@
-"""3D parallelism on 8 CPU ranks: every composition trains like one device, and each axis moves what its formula
-says (tp inside stages, pp between them, dp across replicas, the tied embedding between first and last stage)."""
+"""3D parallelism on 8 CPU ranks: every composition trains like one device, each axis moves what its formula
+says (tp inside stages, pp between them, dp across replicas, the tied embedding between first and last stage), and
+each rank holds the memory its prediction says."""
 
 import pytest
+
+from course_lib.memory import CATEGORIES
 
 from course_lib.hardware import replay
 from course_lib.models import GPTConfig, TrainConfig
@@ -15,6 +18,7 @@ GRIDS = [
     {"tp": 2, "pp": 4, "dp": 1, "schedule": "gpipe", "microbatches": 8},
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
     {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "microbatches": 2},  # ZeRO-1's buckets pad to a multiple of 4
+    {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2},
 ]
 
 
@@ -22,8 +26,11 @@ GRIDS = [
 def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
     run = run_scheme("3d", 8, CFG, TrainConfig(steps=2, dtype="float64"), **grid)
     assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
-    for rank, predicted in zip(run.report["ranks"], run.predicted_comm, strict=True):
-        assert rank["comm_by_axis"] == predicted
+    for rank, sent, held in zip(run.report["ranks"], run.predicted_comm, run.predicted_memory, strict=True):
+        assert rank["comm_by_axis"] == sent
+        assert {c: rank["memory"][c] for c in CATEGORIES} == {c: held[c] for c in CATEGORIES}
+        assert rank["memory"]["activations_peak"] == held["activations"]
+        assert rank["memory"]["grads"] > 0, "the reported step must still hold its gradients"
 
 
 def test_3d_in_float32():

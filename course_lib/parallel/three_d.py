@@ -87,7 +87,8 @@ def train_3d(
                     all_reduce_grads(all_params, mesh.groups["dp"], average=True)
             with trace.span("optimizer"):
                 optimizer.step()
-                (sharded or optimizer).zero_grad()
+                # Keep the gradient buffers (set_to_none would free them before the meter reads the step).
+                sharded.zero_grad() if sharded else optimizer.zero_grad(set_to_none=False)
             if sharded:
                 with trace.tags(phase="param_sync"):
                     sharded.after_optimizer_step()

@@ -29,4 +29,4 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider notebooks
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) demo_out out .pytest_cache

@@ -6,7 +6,9 @@ Every command takes ``--json FILE`` (``-`` for standard output) to write its res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -82,7 +84,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------ run
 def _train_config(args) -> TrainConfig:
-    return TrainConfig(steps=args.steps, batch=args.batch, seed=args.seed, dtype=args.dtype)
+    return TrainConfig(steps=args.steps, batch=_sizes(args)["batch"], seed=args.seed, dtype=args.dtype)
 
 
 def _pipeline_stages(args, world_size: int) -> int:
@@ -91,9 +93,33 @@ def _pipeline_stages(args, world_size: int) -> int:
     return stages * (args.chunks or 1)
 
 
+# A modeled run's defaults: with the tiny GPT's (64 wide, 32 tokens, batch 8) an H100 computes a step in ~0.2 us,
+# invisible beside communication; at these sizes compute is about a tenth of a data-parallel step.
+MODELED_DEFAULTS = {"hidden": 256, "seq": 128, "batch": 32}
+
+
+def _sizes(args) -> dict:
+    """The model and batch sizes given on the command line, the modeled-run defaults where ``--hardware`` is given
+    and a size is not, else the tiny GPT's."""
+    modeled = MODELED_DEFAULTS if getattr(args, "hardware", None) else {}
+    default = GPTConfig()
+    return {
+        "hidden": args.hidden or modeled.get("hidden", default.d_model),
+        "seq": args.seq or modeled.get("seq", default.seq),
+        "batch": args.batch or modeled.get("batch", TrainConfig().batch),
+    }
+
+
 def _model_config(args, stages: int = 1) -> GPTConfig:
-    """The tiny GPT, with ``--layers`` or, by default, 2 layers or one per pipeline stage if there are more."""
-    return GPTConfig(layers=args.layers or max(GPTConfig().layers, stages))
+    """The tiny GPT with the sizes given on the command line; by default 2 layers or one per pipeline stage if there
+    are more."""
+    sizes = _sizes(args)
+    return GPTConfig(
+        layers=args.layers or max(GPTConfig().layers, stages),
+        d_model=sizes["hidden"],
+        heads=args.heads or GPTConfig().heads,
+        seq=sizes["seq"],
+    )
 
 
 def _rank_table(report: dict) -> list[str]:
@@ -135,8 +161,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         world_size = (args.tp or 2) * (args.pp or 2) * (args.dp or 2)
         if args.world_size not in (None, world_size):
             raise SystemExit(f"run 3d: --world-size {args.world_size} but --tp x --pp x --dp = {world_size}")
+    elif args.world_size is not None:
+        world_size = args.world_size
     else:
-        world_size = 1 if args.scheme == "single" and args.world_size is None else (args.world_size or args.tp or 4)
+        world_size = 1 if args.scheme == "single" else args.tp or 4
     if args.scheme != "3d" and (args.pp or args.dp or args.zero is not None or args.sp):
         raise SystemExit(f"run {args.scheme}: --pp, --dp, --zero and --sp belong to a 3d run")
     if (
@@ -149,11 +177,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"group (world size = tp); combining TP with other axes is what a 3D run does"
         )
     try:
+        cfg, train = _model_config(args, _pipeline_stages(args, world_size)), _train_config(args)
         run = run_scheme(
             args.scheme,
             world_size,
-            _model_config(args, _pipeline_stages(args, world_size)),
-            _train_config(args),
+            cfg,
+            train,
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
@@ -164,7 +193,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = run.report
     _write_json(report, args.json)
     _say(
-        args, f"{args.scheme} on {world_size} {report['backend']} ranks, {report['params']:,} parameters, {args.dtype}"
+        args,
+        f"{args.scheme} on {world_size} {report['backend']} ranks, {report['params']:,} parameters ({cfg.layers} "
+        f"layers x {cfg.d_model} wide, {cfg.heads} heads, {cfg.seq} tokens, batch {train.batch}), {args.dtype}",
     )
     _say(args, f"  losses           {[round(x, 6) for x in report['losses']]}")
     _say(args, f"  reference losses {[round(x, 6) for x in report['reference_losses']]}")
@@ -362,77 +393,126 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ parser
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+def _number(text: str, kind: type, least: float, strict: bool) -> float:
+    """Parse ``text`` as ``kind``; refuse NaN, infinity and values below ``least`` (or equal to it if ``strict``)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+    if not math.isfinite(value) or value < least or (strict and value == least):
+        if kind is int:
+            wanted = f"a whole number of at least {least + 1 if strict else least}"
+        else:
+            wanted = f"a finite number {'greater than' if strict else 'of at least'} {least:g}"
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
     return value
 
 
+def _positive_int(text: str) -> int:
+    return _number(text, int, 0, strict=True)
+
+
+def _natural(text: str) -> int:
+    return _number(text, int, 0, strict=False)
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, 0.0, strict=True)
+
+
+def _nonnegative_float(text: str) -> float:
+    return _number(text, float, 0.0, strict=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (what is wrong, and where the help is), exit status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="course-lib", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="course-lib", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     mem = sub.add_parser("memory", help="predicted bytes per device (model states, activations)")
     mem.add_argument("--params", type=_positive_float, help="parameter count, e.g. 7e9")
     for dim in ("layers", "hidden", "heads", "vocab", "seq"):
-        mem.add_argument(f"--{dim}", type=int)
-    mem.add_argument("--micro-batch", type=int, default=1)
+        mem.add_argument(f"--{dim}", type=_positive_int)
+    mem.add_argument("--micro-batch", type=_positive_int, default=1)
     mem.add_argument("--precision", choices=["fp32", "mixed"], default="fp32")
     mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     for axis in ("dp", "tp", "pp"):
-        mem.add_argument(f"--{axis}", type=int, default=1)
+        mem.add_argument(f"--{axis}", type=_positive_int, default=1)
     mem.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     mem.add_argument("--recompute", choices=RECOMPUTE, default="none")
     mem.set_defaults(func=cmd_memory)
 
     def training_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--layers", type=int, help="transformer layers (default 2, or one per pipeline stage)")
-        p.add_argument("--steps", type=int, default=3)
-        p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+        p.add_argument("--layers", type=_positive_int, help="transformer layers (default 2, or one per pipeline stage)")
+        modeled = MODELED_DEFAULTS
+        p.add_argument(
+            "--hidden", type=_positive_int, help=f"model width (default 64; {modeled['hidden']} with --hardware)"
+        )
+        p.add_argument("--heads", type=_positive_int, help="attention heads, must divide --hidden (default 4)")
+        p.add_argument(
+            "--seq", type=_positive_int, help=f"tokens per sequence (default 32; {modeled['seq']} with --hardware)"
+        )
+        p.add_argument("--steps", type=_positive_int, default=3)
+        p.add_argument(
+            "--batch",
+            type=_positive_int,
+            help=f"global batch in sequences (default 8; {modeled['batch']} with --hardware)",
+        )
         p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
         p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=_natural, default=0)
         p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")
 
     from course_lib.schemes import ALIASES, SCHEMES
 
     run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
     run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
-    run.add_argument("--world-size", type=int, help="number of ranks (default 4; 1 for single)")
-    run.add_argument("--tp", type=int, help="tp, sp: the tensor-parallel degree (the world size); 3d: TP size")
-    run.add_argument("--pp", type=int, help="3d: pipeline stages (default 2)")
-    run.add_argument("--dp", type=int, help="3d: data-parallel replicas (default 2)")
+    run.add_argument("--world-size", type=_positive_int, help="number of ranks (default 4; 1 for single)")
+    run.add_argument(
+        "--tp", type=_positive_int, help="tp, sp: the tensor-parallel degree (the world size); 3d: TP size"
+    )
+    run.add_argument("--pp", type=_positive_int, help="3d: pipeline stages (default 2)")
+    run.add_argument("--dp", type=_positive_int, help="3d: data-parallel replicas (default 2)")
     run.add_argument("--zero", type=int, choices=[0, 1], help="3d: ZeRO-1 over the data-parallel axis")
     run.add_argument("--sp", action="store_true", help="3d: sequence parallel inside the TP groups")
-    run.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)")
+    run.add_argument(
+        "--bucket-mb", type=_positive_float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)"
+    )
     run.add_argument("--naive", action="store_true", help="dp: one all-reduce per gradient, after backward")
-    run.add_argument("--grad-accum", type=int, help="micro-batches per step, synced once (default 1)")
+    run.add_argument("--grad-accum", type=_positive_int, help="micro-batches per step, synced once (default 1)")
     run.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     run.add_argument(
         "--no-reshard", action="store_true", help="zero3: keep gathered parameters from forward to backward"
     )
     run.add_argument("--schedule", help="pp: gpipe, 1f1b (default), interleaved or zb-h1")
-    run.add_argument("--microbatches", type=int, help="pp: microbatches per step (default 4)")
-    run.add_argument("--chunks", type=int, help="pp, interleaved: model chunks per rank")
+    run.add_argument("--microbatches", type=_positive_int, help="pp: microbatches per step (default 4)")
+    run.add_argument("--chunks", type=_positive_int, help="pp, interleaved: model chunks per rank")
     run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
-    run.add_argument("--gpus-per-node", type=int, help="with --hardware: GPUs per node (default: the profile's)")
+    run.add_argument(
+        "--gpus-per-node", type=_positive_int, help="with --hardware: GPUs per node (default: the profile's)"
+    )
     training_flags(run)
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")
-    demo.add_argument("--world-size", type=int, default=4)
+    demo.add_argument("--world-size", type=_positive_int, default=4)
     training_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
     sch = sub.add_parser("schedule", help="generate, check and simulate a pipeline schedule (no ranks)")
     sch.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
-    sch.add_argument("--stages", type=int, default=4)
-    sch.add_argument("--microbatches", type=int, default=8)
-    sch.add_argument("--chunks", type=int, default=1)
-    sch.add_argument("--f", type=float, default=1.0, help="cost of a forward")
-    sch.add_argument("--b", type=float, default=1.0, help="cost of a backward (input gradient)")
-    sch.add_argument("--w", type=float, default=0.0, help="cost of a weight-gradient pass")
+    sch.add_argument("--stages", type=_positive_int, default=4)
+    sch.add_argument("--microbatches", type=_positive_int, default=8)
+    sch.add_argument("--chunks", type=_positive_int, default=1)
+    sch.add_argument("--f", type=_positive_float, default=1.0, help="cost of a forward")
+    sch.add_argument("--b", type=_positive_float, default=1.0, help="cost of a backward (input gradient)")
+    sch.add_argument("--w", type=_nonnegative_float, default=0.0, help="cost of a weight-gradient pass")
     sch.add_argument("--plot", metavar="FILE", help="draw the schedule into a PNG")
     sch.set_defaults(func=cmd_schedule)
 
@@ -446,24 +526,51 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
     pl.add_argument("--params", type=_positive_float, help="parameter count, e.g. 30e9 (alone: a GPT-3-like shape)")
     for dim in ("layers", "hidden", "heads", "vocab", "seq"):
-        pl.add_argument(f"--{dim}", type=int)
-    pl.add_argument("--gpus", type=int, required=True)
-    pl.add_argument("--gpus-per-node", type=int, help="default: the hardware profile's")
+        pl.add_argument(f"--{dim}", type=_positive_int)
+    pl.add_argument("--gpus", type=_positive_int, required=True)
+    pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the hardware profile's")
     pl.add_argument("--gpu-mem-gb", type=_positive_float, help="memory per GPU (default: the hardware profile's)")
     pl.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
-    pl.add_argument("--global-batch", type=int, help="sequences per step (default: the preset's, else 1024)")
-    pl.add_argument("--micro-batch", type=int, default=1)
+    pl.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the preset's, else 1024)")
+    pl.add_argument("--micro-batch", type=_positive_int, default=1)
     pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
     pl.set_defaults(func=cmd_plan)
 
     for p in (mem, run, demo, sch, hw, pl):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
+        p.set_defaults(parser=p)
     return parser
 
 
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before any work starts, so no result is computed for nothing."""
+    if args.json not in (None, "-"):
+        _check_writable(parser, "--json", args.json)
+    if getattr(args, "plot", None) and args.command == "schedule":
+        _check_writable(parser, "--plot", args.plot)
+
+
+def _check_writable(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_outputs(args.parser, args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing more, and let Python's final flush find nowhere to fail.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a command ended by SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -156,7 +156,7 @@ def test_run_flags_reach_the_scheme(capsys):
     assert naive["ranks"][0]["comm"]["all_reduce"]["calls"] > bucketed["ranks"][0]["comm"]["all_reduce"]["calls"] == 1
     buckets = len(flat_sizes(TinyGPT(GPTConfig()), 2, 2, int(0.1e6)))
     assert accum["ranks"][0]["comm"]["reduce_scatter"]["calls"] == 2 * buckets  # every micro-batch, every bucket
-    with pytest.raises(SystemExit, match="bucket size must be positive"):
+    with pytest.raises(SystemExit):  # refused by the parser (test_bad_numbers_and_paths_are_one_line_...)
         main(["run", "dp", "--bucket-mb", "0"])
     with pytest.raises(SystemExit, match="takes no option"):
         main(["run", "zero3", "--bucket-mb", "1"])
@@ -194,6 +194,10 @@ def test_run_with_hardware_adds_the_modeled_section(capsys):
     }
     assert modeled["hardware"] == "h100" and modeled["gpus_per_node"] == 1
     assert 0 < modeled["compute_s"] < modeled["step_time_s"]
+    # A modeled run defaults to a model large enough that compute shows beside communication (the tiny GPT's
+    # compute was 0.1% of the step).
+    assert modeled["compute_s"] / modeled["step_time_s"] > 0.05
+    assert data["params"] == count_params(TinyGPT(GPTConfig(d_model=256, seq=128)))
     assert all({"step_time_s", "exposed_comm_s", "bubble_fraction"} <= set(r["modeled"]) for r in data["ranks"])
     with pytest.raises(SystemExit, match="unknown hardware 'tpu'"):
         main(["run", "dp", "--hardware", "tpu"])
@@ -259,3 +263,47 @@ def test_run_pp_reports_its_bubble(capsys):
     assert data["bubble_fraction"] == data["modeled"]["bubble_fraction"] > 0
     with pytest.raises(SystemExit, match="fewer than 4"):
         main(["run", "pp", "--world-size", "4", "--schedule", "interleaved", "--microbatches", "2", "--chunks", "2"])
+
+
+def cli(*argv, stdin=None, timeout=30):
+    return subprocess.run(
+        [sys.executable, "-m", "course_lib", *argv], capture_output=True, text=True, timeout=timeout, input=stdin
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "dp", "--world-size", "0"], "--world-size: must be a whole number of at least 1, got 0"),
+        (["run", "tp", "--tp", "0"], "--tp: must be a whole number of at least 1, got 0"),
+        (["run", "dp", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: the folder /nonexistent does"),
+        (["memory", "--params", "nan"], "--params: must be a finite number greater than 0, got nan"),
+        (["run", "dp", "--bucket-mb", "inf"], "--bucket-mb: must be a finite number greater than 0, got inf"),
+    ],
+)
+def test_bad_numbers_and_paths_are_one_line_before_any_rank_starts(argv, message):
+    done = cli(*argv)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv", [["hardware"], ["run", "dp", "--world-size", "2", "--steps", "1"]])
+def test_json_into_a_closed_pipe_ends_quietly(argv):
+    """``--json - | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    done = subprocess.run(
+        f"{sys.executable} -m course_lib {' '.join(argv)} --json - | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout == "{\n" and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+def test_run_takes_the_model_sizes(capsys):
+    data = run_json(capsys, "run", "tp", "--tp", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--steps", "1")
+    assert data["params"] == count_params(TinyGPT(GPTConfig(d_model=32, heads=2, seq=16)))
+    assert data["max_abs_loss_diff"] < 1e-5
+    with pytest.raises(SystemExit, match="heads=3 must divide d_model=64"):
+        main(["run", "tp", "--tp", "2", "--heads", "3"])

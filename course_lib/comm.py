@@ -67,10 +67,15 @@ class CommRecord:
     tags: dict = field(default_factory=dict)
 
 
+# told (what, group name, the collective's number on that group, whether the rank is now blocked in it)
+StatusSink = Callable[[str, str, int, bool], None]
+
+
 class _Ledger:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
-        self.status_sink: Callable[[str], None] | None = None
+        self.calls: dict[str, int] = {}  # collectives this rank has issued on each group, by the group's name
+        self.status_sink: StatusSink | None = None
 
 
 _LEDGER = _Ledger()
@@ -81,6 +86,7 @@ _GROUP_RANKS: dict = {}  # global ranks of each group, looked up once instead of
 def reset() -> None:
     """Forget this rank's records (the launcher calls it when a rank starts)."""
     _LEDGER.records = []
+    _LEDGER.calls = {}
 
 
 def records() -> list[CommRecord]:
@@ -88,8 +94,9 @@ def records() -> list[CommRecord]:
     return list(_LEDGER.records)
 
 
-def set_status_sink(sink: Callable[[str], None] | None) -> None:
-    """Have ``sink`` told, in words, which collective this rank enters and leaves (the launcher's hang report)."""
+def set_status_sink(sink: StatusSink | None) -> None:
+    """Have ``sink`` told which collective this rank enters, waits for and leaves: in words, with its group, its
+    number on that group and whether the rank is blocked in it (the launcher's hang watchdog and report)."""
     _LEDGER.status_sink = sink
 
 
@@ -115,10 +122,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Handle:
     """An async collective in flight; :meth:`wait` blocks until it is done and closes its ledger record."""
 
-    def __init__(self, work, record: CommRecord, index: int, describe: str) -> None:
+    def __init__(self, work, record: CommRecord, index: int, number: int, describe: str) -> None:
         self._work = work
         self._record = record
         self._index = index
+        self._number = number
         self._describe = describe
         self._done = False
 
@@ -126,21 +134,21 @@ class Handle:
         if self._done:
             return
         trace.waiting(self._index)
-        _tell(f"waiting for {self._describe}")
+        _tell(f"waiting for {self._describe}", self._record.group, self._number, blocked=True)
         self._work.wait()
-        _finish(self._record, self._describe)
+        _finish(self._record, self._number, self._describe)
         self._done = True
 
 
-def _tell(status: str) -> None:
+def _tell(status: str, group: str, number: int, blocked: bool) -> None:
     if _LEDGER.status_sink is not None:
-        _LEDGER.status_sink(status)
+        _LEDGER.status_sink(status, group, number, blocked)
 
 
-def _finish(rec: CommRecord, describe: str) -> None:
+def _finish(rec: CommRecord, number: int, describe: str) -> None:
     rec.end = trace.now()
     trace.record("comm", rec.op, rec.start, rec.end, rec.tags, group=rec.group, bytes=rec.sent_bytes)
-    _tell(f"finished {describe}")
+    _tell(f"finished {describe}", rec.group, number, blocked=False)
 
 
 def _call(
@@ -172,16 +180,18 @@ def _call(
     )
     _LEDGER.records.append(rec)
     index = len(_LEDGER.records) - 1
+    number = _LEDGER.calls[rec.group] = _LEDGER.calls.get(rec.group, 0) + 1
     where = f" with rank {peer}" if peer is not None else ""
-    describe = f"{op} #{index + 1} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
+    describe = f"{op} #{number} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
     trace.issued(index)
     if not async_op:
         trace.waiting(index)
-    _tell(f"in {describe}")
+    _tell(f"in {describe}", rec.group, number, blocked=not async_op)
     work = issue()
     if async_op:
-        return Handle(work, rec, index, describe)
-    _finish(rec, describe)
+        _tell(f"issued {describe}", rec.group, number, blocked=False)
+        return Handle(work, rec, index, number, describe)
+    _finish(rec, number, describe)
     return None
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -45,7 +46,8 @@ import torch.distributed as dist
 
 from course_lib import comm, trace
 
-STATUS_BYTES = 240
+STATUS_TEXT_BYTES = 200
+POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -81,6 +83,24 @@ class RunResult(list):
         self.wall_s = wall_s
 
 
+class _RankStatus(ctypes.Structure):
+    """Where one rank is, in memory shared with the launcher: what it last did (in words), the group and number of
+    its current collective, and since when it has been blocked in it (``time.monotonic()``; 0 when not blocked)."""
+
+    _fields_ = [
+        ("text", ctypes.c_char * STATUS_TEXT_BYTES),
+        ("group", ctypes.c_char * 32),
+        ("number", ctypes.c_long),
+        ("blocked_since", ctypes.c_double),
+    ]
+
+
+@dataclass(frozen=True)
+class _Limits:
+    timeout: float
+    stall_timeout: float
+
+
 @dataclass
 class _RankState:
     """What the launching process learned about one rank."""
@@ -95,6 +115,7 @@ class _RankState:
 _DEVICE = torch.device("cpu")
 _IN_RANK = False
 _FORKSERVER_LOCK = threading.Lock()
+_PAYLOAD_LOCK = threading.Lock()
 
 
 def rank_device() -> torch.device:
@@ -123,30 +144,70 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages beyond the forkserver's, generously
+
+
+def max_local_ranks() -> int:
+    """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
+    the available memory fits at :data:`RANK_MEMORY_BYTES` each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    by_cores = max(8, 4 * cores)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
+        return by_cores
+    return max(1, min(by_cores, available // RANK_MEMORY_BYTES))
+
+
+def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
+    """Refuse more local CPU ranks than this machine holds (``max_ranks``, default :func:`max_local_ranks`): a typo
+    must not fork a thousand processes. Under torchrun, torchrun decides how many processes there are."""
+    limit = max_local_ranks() if max_ranks is None else max_ranks
+    if world_size > limit and not _under_torchrun():
+        raise ValueError(
+            f"world size {world_size} is more ranks than this machine holds ({limit}: four per core, at least 8, "
+            f"within the free memory at ~{RANK_MEMORY_BYTES // 2**20} MB a rank). Use fewer ranks, or raise the "
+            "limit if you know better (max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
+        )
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run(
     fn: Callable,
     world_size: int,
     *args,
     backend: str = "auto",
     timeout: float = 120.0,
+    stall_timeout: float = 20.0,
+    max_ranks: int | None = None,
     count_flops: bool = False,
     **kwargs,
 ) -> RunResult:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their values in rank order.
 
     ``timeout`` (seconds) bounds the whole run: a rank still running then is reported and killed.
+    ``stall_timeout`` (seconds): once a rank has waited that long in a collective that another rank has not reached
+    (busy elsewhere, stopped, or a collective behind), the run ends naming that rank and where every rank is.
+    ``max_ranks`` raises the machine's limit on local ranks (:func:`max_local_ranks`).
     ``count_flops`` counts every operator's FLOPs into the ranks' programs (needed to replay them on a modeled
     cluster, :func:`course_lib.hardware.replay`; it slows CPU ranks down about as much as the memory meter).
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, not {timeout!r}")
+    for name, seconds in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
     if _IN_RANK:
         raise RuntimeError("run() was called inside a rank function; launch ranks from the top level only")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops)
-    return _run_local(fn, world_size, args, kwargs, resolve_backend(backend, world_size), timeout, count_flops)
+    backend = resolve_backend(backend, world_size)
+    if backend == "gloo":
+        check_world_size(world_size, max_ranks)
+    return _run_local(fn, world_size, args, kwargs, backend, _Limits(timeout, stall_timeout), count_flops)
 
 
 def _call(fn, args, kwargs, count_flops: bool):
@@ -225,23 +286,25 @@ def _payload(fn, args, kwargs) -> bytes:
         and not module.__name__.startswith("course_lib")
         and not (getattr(module, "__file__", None) or "").startswith(installed)
     )
-    if by_value:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps((fn, args, kwargs))
-    finally:
+    # cloudpickle's by-value registry is global: two threads launching from one module must not interleave.
+    with _PAYLOAD_LOCK:
         if by_value:
-            cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return cloudpickle.dumps((fn, args, kwargs))
+        finally:
+            if by_value:
+                cloudpickle.unregister_pickle_by_value(module)
 
 
-def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
+def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flops) -> RunResult:
     ctx = _context()
     payload = _payload(fn, args, kwargs)
     # Rendezvous through a file, not a TCP store hosted here: a rank's first connection to such a store was now and
     # then reset and torch's client retried after a back-off of 1-5 s (one launch in four stalled ~5 s).
     handle, store_path = tempfile.mkstemp(prefix="course_lib-store-")
     os.close(handle)
-    status = ctx.Array(ctypes.c_char, STATUS_BYTES * world_size, lock=False)
+    status = ctx.Array(_RankStatus, world_size, lock=False)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // world_size)
     epoch = time.perf_counter()
@@ -259,7 +322,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
                     child_conn,
                     status,
                     backend,
-                    timeout,
+                    limits.timeout,
                     epoch,
                     threads,
                     count_flops,
@@ -270,7 +333,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
             process.start()
             child_conn.close()
             ranks.append(_RankState(process, parent_conn))
-        _collect(ranks, epoch + timeout, timeout, status)
+        _collect(ranks, epoch + limits.timeout, limits, status)
     finally:
         _reap(ranks)
         with contextlib.suppress(FileNotFoundError):
@@ -279,15 +342,16 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, count_flops) -> R
     return RunResult(list(values), list(records), list(events), list(programs), backend, time.perf_counter() - epoch)
 
 
-def _collect(ranks: list[_RankState], deadline: float, timeout: float, status) -> None:
-    """Read every rank's messages until all have reported; raise RankError on the first failure."""
+def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status) -> None:
+    """Read every rank's messages until all have reported; raise RankError on the first failure, on a stall (a rank
+    blocked in a collective for ``stall_timeout`` that another rank has not reached) and at the deadline."""
     pending = set(range(len(ranks)))
     while pending:
         waitables = {ranks[r].conn: r for r in pending} | {ranks[r].process.sentinel: r for r in pending}
-        ready = wait(list(waitables), timeout=max(0.0, deadline - time.perf_counter()))
-        if not ready:
-            raise RankError(_timeout_message(ranks, pending, timeout, status))
-        for obj in ready:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise RankError(_timeout_message(ranks, pending, limits.timeout, status))
+        for obj in wait(list(waitables), timeout=min(left, POLL_S)):
             r = waitables[obj]
             if r in pending and _drain(ranks[r]):
                 pending.discard(r)
@@ -298,6 +362,9 @@ def _collect(ranks: list[_RankState], deadline: float, timeout: float, status) -
             for r in list(pending):
                 _drain(ranks[r])
             raise _failure(ranks, status)
+        stall = _stall_message(ranks, pending, limits.stall_timeout, status)
+        if stall:
+            raise RankError(stall)
 
 
 def _drain(state: _RankState) -> bool:
@@ -331,8 +398,7 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _status_of(status, rank: int) -> str:
-    raw = bytes(status[rank * STATUS_BYTES : (rank + 1) * STATUS_BYTES]).split(b"\0", 1)[0]
-    return raw.decode(errors="replace") or "no collective yet"
+    return status[rank].text.decode(errors="replace") or "no collective yet"
 
 
 def _is_comm_error(state: _RankState) -> bool:
@@ -374,29 +440,87 @@ def _failure(ranks: list[_RankState], status) -> RankError:
     return error
 
 
-def _timeout_message(ranks: list[_RankState], pending: set[int], timeout: float, status) -> str:
-    waiting = {r for r in pending if _status_of(status, r).startswith(("in ", "waiting for "))}
-    lines = [f"the run did not finish within timeout={timeout:g} s:"]
+def _process_state(process: mp.process.BaseProcess) -> str | None:
+    """'stopped' for a process stopped by a signal (SIGSTOP, Ctrl-Z), as Linux's /proc reports it; else None."""
+    try:
+        with open(f"/proc/{process.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return "stopped" if state in ("T", "t") else None
+
+
+def _laggards(ranks: list[_RankState], pending: set[int], status) -> dict[int, str]:
+    """The ranks holding the others up, each with why: stopped by a signal, busy outside any collective, or in an
+    earlier collective on a group than its peers are."""
+    blocked = {r for r in pending if status[r].blocked_since}
+    out = {r: "stopped by a signal (SIGSTOP or Ctrl-Z?)" for r in pending if _process_state(ranks[r].process)}
+    out |= {r: "busy outside any collective" for r in pending - blocked if r not in out}
+    ahead: dict[bytes, int] = {}
+    for r in blocked:
+        ahead[status[r].group] = max(ahead.get(status[r].group, 0), status[r].number)
+    for r in blocked:
+        if r not in out and status[r].number < ahead[status[r].group]:
+            out[r] = f"a collective behind its peers on {status[r].group.decode()}"
+    return out
+
+
+def _rank_lines(ranks: list[_RankState], pending: set[int], status, laggards: dict[int, str]) -> list[str]:
+    now, lines = time.monotonic(), []
     for r in range(len(ranks)):
+        since = status[r].blocked_since
         if r not in pending:
             lines.append(f"  rank {r}: finished")
-        elif r in waiting:
-            lines.append(f"  rank {r}: waiting, {_status_of(status, r)}")
+        elif r in laggards:
+            lines.append(f"  rank {r}: {laggards[r]} (last: {_status_of(status, r)})")
+        elif since:
+            lines.append(f"  rank {r}: waiting {now - since:.1f} s, {_status_of(status, r)}")
         else:
-            lines.append(f"  rank {r}: busy outside any collective (last: {_status_of(status, r)})")
-    if pending - waiting and waiting:
-        lines.append(
-            f"Ranks {sorted(waiting)} wait in a collective that ranks {sorted(pending - waiting)} never reach."
-        )
-    lines.append("If the work is simply slow, pass a larger timeout= to run().")
+            lines.append(f"  rank {r}: running (last: {_status_of(status, r)})")
+    return lines
+
+
+def _stall_message(ranks: list[_RankState], pending: set[int], stall_timeout: float, status) -> str | None:
+    """None while the run makes progress; the stall described once a rank has been blocked in a collective for
+    ``stall_timeout`` seconds and some other rank is to blame for it."""
+    now = time.monotonic()
+    stuck = sorted(r for r in pending if status[r].blocked_since and now - status[r].blocked_since > stall_timeout)
+    if not stuck:
+        return None
+    laggards = _laggards(ranks, pending, status)
+    if not laggards:
+        return None  # every rank is in the same collective: a slow transfer, which the whole-run timeout bounds
+    names = ", ".join(str(r) for r in sorted(laggards))
+    lines = [
+        f"rank{'s' * (len(laggards) > 1)} {names} of {len(ranks)} held the run up: ranks {stuck} waited over "
+        f"{stall_timeout:g} s in a collective that rank{'s' * (len(laggards) > 1)} {names} did not reach:",
+        *_rank_lines(ranks, pending, status, laggards),
+        "If a rank is only slow (a long computation between collectives), raise the stall timeout: stall_timeout= "
+        "in launch.run and run_scheme, --stall-timeout on the command line.",
+    ]
+    return "\n".join(lines)
+
+
+def _timeout_message(ranks: list[_RankState], pending: set[int], timeout: float, status) -> str:
+    laggards = _laggards(ranks, pending, status)
+    waiting = sorted(r for r in pending if status[r].blocked_since and r not in laggards)
+    lines = [f"the run did not finish within timeout={timeout:g} s:", *_rank_lines(ranks, pending, status, laggards)]
+    if laggards and waiting:
+        lines.append(f"Ranks {waiting} wait in a collective that ranks {sorted(laggards)} never reach.")
+    lines.append(
+        "If the work is simply slow, allow it more time: timeout= in launch.run and run_scheme, --timeout on the "
+        "command line."
+    )
     return "\n".join(lines)
 
 
 def _reap(ranks: list[_RankState]) -> None:
-    """Stop and join every child that is still alive; close the pipes."""
+    """Stop and join every child that is still alive (a stopped one too); close the pipes."""
     for state in ranks:
         if state.process.is_alive():
             state.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state.process.pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once it runs
     for state in ranks:
         state.process.join(timeout=2.0)
         if state.process.is_alive():
@@ -433,17 +557,51 @@ class _PipeWriter(io.TextIOBase):
             self._conn.send(("out", lines))
 
 
-def _rank_main(rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops) -> None:
+def _die_with_parent() -> None:
+    """End this rank when the process that started it dies, however it dies (SIGKILL, SIGTERM, a closed terminal).
+
+    A rank's parent is the forkserver, which exits once every holder of the launching process's "alive" pipe is
+    gone; multiprocessing hands each child a copy (so that it could start processes of its own), which would keep
+    the forkserver, and so the ranks, alive after the launcher's death. A rank starts nothing, so it closes its copy.
+    On Linux the kernel then kills the rank when the forkserver exits (PR_SET_PDEATHSIG); elsewhere a thread checks
+    every half second whether the rank has been re-parented."""
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(AttributeError, OSError, TypeError):
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _rank_main(
+    rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops
+) -> None:
     global _DEVICE, _IN_RANK
+    _die_with_parent()
     _IN_RANK = True
     lock = threading.Lock()
     sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
     torch.set_num_threads(threads)
+    mine = status[rank]
 
-    def tell(text: str) -> None:
-        status[rank * STATUS_BYTES : (rank + 1) * STATUS_BYTES] = text.encode()[: STATUS_BYTES - 1].ljust(
-            STATUS_BYTES, b"\0"
-        )
+    def tell(text: str, group: str, number: int, blocked: bool) -> None:
+        mine.blocked_since = 0.0
+        mine.text = text.encode()[: STATUS_TEXT_BYTES - 1]
+        mine.group, mine.number = group.encode()[:31], number
+        mine.blocked_since = time.monotonic() if blocked else 0.0
 
     try:
         if backend == "nccl":
@@ -454,6 +612,11 @@ def _rank_main(rank, world_size, store_path, payload, conn, status, backend, tim
         store = dist.FileStore(store_path, world_size)
         store.set_timeout(pg_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        # gloo can finish a rank's side of its connections before its peers have finished theirs; a rank that then
+        # returned and exited at once broke a peer's set-up ("Connection closed by peer"). Start together instead.
+        if store.add("ranks_up", 1) == world_size:
+            store.set("all_up", "1")
+        store.wait(["all_up"])
         trace.reset(rank, epoch)
         comm.reset()
         comm.set_status_sink(tell)

@@ -4,9 +4,8 @@ each rank holds the memory its prediction says."""
 
 import pytest
 
-from course_lib.memory import CATEGORIES
-
 from course_lib.hardware import replay
+from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.schemes import predict_axis_traffic, run_scheme
 

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from_dims
 from course_lib.models import GPTConfig, TrainConfig
 
@@ -23,14 +24,19 @@ def _is_lead() -> bool:
 
 
 def _write_json(data: dict, target: str | None) -> None:
+    """Write the result; if the file cannot be written (a full disk, a folder gone), the result goes to standard
+    output instead, with one line on standard error saying why, so a finished run is never lost."""
     if target is None or not _is_lead():
         return
     text = json.dumps(data, indent=2)
-    if target == "-":
-        print(text)
-    else:
-        with open(target, "w") as f:
-            f.write(text + "\n")
+    if target != "-":
+        try:
+            with open(target, "w") as f:
+                f.write(text + "\n")
+            return
+        except OSError as err:
+            print(f"course-lib: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr)
+    print(text)
 
 
 def _say(args, text: str = "") -> None:
@@ -154,7 +160,13 @@ def _scheme_options(args) -> dict:
     return {k: v for k, v in options.items() if v is not None or (k == "bucket_mb" and args.naive)}
 
 
+def _limits(args) -> dict:
+    """The launcher's limits from the command line: whole-run and stall timeouts, and the cap on local ranks."""
+    return {"timeout": args.timeout, "stall_timeout": args.stall_timeout, "max_ranks": args.max_ranks}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from course_lib import launch
     from course_lib.schemes import run_scheme
 
     if args.scheme == "3d":
@@ -163,8 +175,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise SystemExit(f"run 3d: --world-size {args.world_size} but --tp x --pp x --dp = {world_size}")
     elif args.world_size is not None:
         world_size = args.world_size
+    elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun: as many ranks as it started
+        world_size = int(os.environ["WORLD_SIZE"])
     else:
         world_size = 1 if args.scheme == "single" else args.tp or 4
+    try:
+        launch.check_world_size(world_size, args.max_ranks)
+    except ValueError as err:
+        raise SystemExit(f"run {args.scheme}: {err}") from None
     if args.scheme != "3d" and (args.pp or args.dp or args.zero is not None or args.sp):
         raise SystemExit(f"run {args.scheme}: --pp, --dp, --zero and --sp belong to a 3d run")
     if (
@@ -186,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
+            **_limits(args),
             **_scheme_options(args),
         )
     except ValueError as err:
@@ -216,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"bubble {m['bubble_fraction']:.1%}   (means over ranks; step = makespan)",
         )
     if args.plot:
-        _say(args, "  wrote " + ", ".join(_save_plots(run, args.plot)))
+        _say(args, "  " + _save_plots(run, args.plot))
     return 0
 
 
@@ -259,13 +278,15 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     for r, table in enumerate(tables):
         _say(args, f"  rank {r}: " + " ".join(str(a) for a in table if a.kind in ("F", "B", "W")))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
         from course_lib.plots import plot_schedule
 
-        plot_schedule(sim, title=f"{args.schedule}, p={args.stages}, m={args.microbatches}").savefig(args.plot, dpi=110)
-        _say(args, f"  wrote {args.plot}")
+        def write() -> list[str]:
+            plot_schedule(sim, title=f"{args.schedule}, p={args.stages}, m={args.microbatches}").savefig(
+                args.plot, dpi=110
+            )
+            return [args.plot]
+
+        _say(args, "  " + _saved(write))
     return 0
 
 
@@ -291,25 +312,37 @@ def cmd_hardware(args: argparse.Namespace) -> int:
     return 0
 
 
-def _save_plots(run, folder: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _save_plots(run, folder: str) -> str:
     from course_lib.plots import save_run_figures
 
-    return save_run_figures(run, folder)
+    return _saved(lambda: save_run_figures(run, folder))
+
+
+def _saved(write) -> str:
+    """Run ``write`` (which returns the files it wrote) and say what it wrote, or in one line why it could not."""
+    try:
+        return "wrote " + ", ".join(write())
+    except OSError as err:
+        return f"could not write the figures ({err.strerror or err}: {err.filename or ''}); the results above stand"
 
 
 # ------------------------------------------------------------------------------------------------ demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from course_lib.schemes import SCHEMES, run_scheme
+    from course_lib import launch
+    from course_lib.schemes import SCHEMES, run_scheme, validate
 
-    train = _train_config(args)
+    train, cfg = _train_config(args), _model_config(args, args.world_size)
+    sizes = {name: 1 if spec.single_rank else 8 if name == "3d" else args.world_size for name, spec in SCHEMES.items()}
+    try:  # every scheme checked before the first one runs
+        for name, n in sizes.items():
+            validate(name, n, cfg, train, {})
+            launch.check_world_size(n, args.max_ranks)
+    except ValueError as err:
+        raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
     rows, reports = [], []
     started = time.perf_counter()
-    for name, spec in SCHEMES.items():
-        n = 1 if spec.single_rank else 8 if name == "3d" else args.world_size  # 3d: a 2 x 2 x 2 grid
-        run = run_scheme(name, n, _model_config(args, args.world_size), train, backend=args.backend)
+    for name, n in sizes.items():  # 3d: a 2 x 2 x 2 grid
+        run = run_scheme(name, n, cfg, train, backend=args.backend, **_limits(args))
         reports.append(run.report)
         r0 = run.report["ranks"][0]
         state = sum(r0["memory"][k] for k in CATEGORIES)
@@ -467,6 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
         p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
         p.add_argument("--seed", type=_natural, default=0)
+        p.add_argument(
+            "--timeout", type=_positive_float, default=300.0, help="seconds the whole run may take (default 300)"
+        )
+        p.add_argument(
+            "--stall-timeout",
+            type=_positive_float,
+            default=20.0,
+            help="seconds a rank may wait in a collective that another rank has not reached (default 20)",
+        )
+        p.add_argument(
+            "--max-ranks", type=_positive_int, help="allow more local ranks than this machine's limit (you know better)"
+        )
         p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")
 
     from course_lib.schemes import ALIASES, SCHEMES
@@ -543,17 +588,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse an output path that cannot be written before any work starts, so no result is computed for nothing."""
+    """Refuse an output path that cannot be written before any work starts, so no result is computed for nothing;
+    create the folders a plot goes into."""
     if args.json not in (None, "-"):
         _check_writable(parser, "--json", args.json)
-    if getattr(args, "plot", None) and args.command == "schedule":
-        _check_writable(parser, "--plot", args.plot)
+    plot = getattr(args, "plot", None)
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, whatever display the terminal has
+    if plot and args.command == "schedule":
+        from matplotlib.figure import Figure
+
+        extension = os.path.splitext(plot)[1].lstrip(".").lower()
+        formats = Figure().canvas.get_supported_filetypes()
+        if os.path.isdir(plot):
+            parser.error(f"--plot {plot}: is a folder; give a file name such as {os.path.join(plot, 'schedule.png')}")
+        if extension not in formats:
+            parser.error(f"--plot {plot}: give a file name ending in one of .{', .'.join(sorted(formats))}")
+        _check_writable(parser, "--plot", plot, create=True)
+    elif plot:
+        if os.path.exists(plot) and not os.path.isdir(plot):
+            parser.error(f"--plot {plot}: is a file; --plot takes a folder for the figures")
+        _check_writable(parser, "--plot", os.path.join(plot, "figure.png"), create=True)
 
 
-def _check_writable(parser: argparse.ArgumentParser, flag: str, path: str) -> None:
+def _check_writable(parser: argparse.ArgumentParser, flag: str, path: str, create: bool = False) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         parser.error(f"{flag} {path}: is a folder; give a file name")
+    if create:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            parser.error(f"{flag} {path}: cannot create the folder {folder} ({err.strerror})")
     if not os.path.isdir(folder):
         parser.error(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
@@ -566,6 +634,14 @@ def main(argv: list[str] | None = None) -> int:
     _check_outputs(args.parser, args)
     try:
         return args.func(args)
+    except RankError as err:  # the failing rank's own lines, not the launcher's traceback
+        if _is_lead():
+            print(f"course-lib {args.command}: {err}", file=sys.stderr)
+        return 1
+    except SystemExit as stop:  # a refusal: under torchrun every rank refuses, rank 0 says why
+        if isinstance(stop.code, str) and not _is_lead():
+            return 1
+        raise
     except BrokenPipeError:
         # The reader went away (``| head``): say nothing more, and let Python's final flush find nowhere to fail.
         with contextlib.suppress(OSError):

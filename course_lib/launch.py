@@ -37,7 +37,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import spawn
 from multiprocessing.connection import wait
 
 import cloudpickle
@@ -45,19 +44,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, trace
+from course_lib.forkserver import RANK_NAME, context
 
 STATUS_TEXT_BYTES = 200
 POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "torch.optim",
-    "course_lib",
-    "course_lib.launch",
-    "course_lib.models",
-    "course_lib.memory",
-]
 _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
 
 
@@ -114,7 +104,6 @@ class _RankState:
 
 _DEVICE = torch.device("cpu")
 _IN_RANK = False
-_FORKSERVER_LOCK = threading.Lock()
 _PAYLOAD_LOCK = threading.Lock()
 
 
@@ -163,7 +152,7 @@ def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
     """Refuse more local CPU ranks than this machine holds (``max_ranks``, default :func:`max_local_ranks`): a typo
     must not fork a thousand processes. Under torchrun, torchrun decides how many processes there are."""
     limit = max_local_ranks() if max_ranks is None else max_ranks
-    if world_size > limit and not _under_torchrun():
+    if world_size > limit and not under_torchrun():
         raise ValueError(
             f"world size {world_size} is more ranks than this machine holds ({limit}: four per core, at least 8, "
             f"within the free memory at ~{RANK_MEMORY_BYTES // 2**20} MB a rank). Use fewer ranks, or raise the "
@@ -171,7 +160,8 @@ def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
         )
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
+    """True in a process that torchrun started (RANK and WORLD_SIZE set): ranks run in place."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -202,7 +192,7 @@ def run(
             raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
     if _IN_RANK:
         raise RuntimeError("run() was called inside a rank function; launch ranks from the top level only")
-    if _under_torchrun():
+    if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops)
     backend = resolve_backend(backend, world_size)
     if backend == "gloo":
@@ -248,34 +238,6 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
 
 
 # ----------------------------------------------------------------------------------------------- local ranks
-_RANK_NAME = "course_lib-rank"
-_standard_preparation_data = spawn.get_preparation_data
-
-
-def _preparation_data(name: str) -> dict:
-    """What multiprocessing tells a new process before it starts, minus the caller's main module for our ranks.
-
-    multiprocessing re-runs the parent's ``__main__`` in every child so that pickled references to it resolve; a
-    script without an ``if __name__ == "__main__":`` guard would then launch ranks from inside its ranks. Our ranks
-    receive their function by value (cloudpickle), so they never need the caller's main module.
-    """
-    data = _standard_preparation_data(name)
-    if name.startswith(_RANK_NAME):
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-    return data
-
-
-spawn.get_preparation_data = _preparation_data
-
-
-def _context() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    with _FORKSERVER_LOCK:
-        ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 def _payload(fn, args, kwargs) -> bytes:
     """cloudpickle ``fn`` and its arguments; code outside installed packages travels by value."""
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
@@ -298,7 +260,7 @@ def _payload(fn, args, kwargs) -> bytes:
 
 
 def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flops) -> RunResult:
-    ctx = _context()
+    ctx = context()
     payload = _payload(fn, args, kwargs)
     # Rendezvous through a file, not a TCP store hosted here: a rank's first connection to such a store was now and
     # then reset and torch's client retried after a back-off of 1-5 s (one launch in four stalled ~5 s).
@@ -327,7 +289,7 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
                     threads,
                     count_flops,
                 ),
-                name=f"{_RANK_NAME}{rank}",
+                name=f"{RANK_NAME}{rank}",
                 daemon=True,
             )
             process.start()

@@ -326,6 +326,8 @@ def memory_formula(
     dims = (layers, seq, hidden, heads)
     if any(d is not None for d in dims) and any(d is None for d in dims):
         raise ValueError("activations need all of layers, seq, hidden and heads (or none of them)")
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor parallelism splits attention by heads: tp {tp} does not divide {heads} heads")
     out["activations"] = (
         layers * activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sp, recompute) if layers else 0.0
     )

@@ -25,6 +25,7 @@ from course_lib.models import (
     GPTConfig,
     TinyGPT,
     TrainConfig,
+    TrainResult,
     count_params,
     max_param_diff,
     rel_param_diff,
@@ -433,6 +434,17 @@ def _predict_symmetric_comm(scheme: str, world_size: int, cfg: GPTConfig, train:
     return {"reduce_scatter": (k if stage == 2 else 1) * part, "all_gather": part}
 
 
+@functools.lru_cache(maxsize=32)
+def reference_run(cfg: GPTConfig, train: TrainConfig) -> TrainResult:
+    """:func:`course_lib.models.train_reference` for this configuration, trained once per process and kept (treat
+    the result as read-only). With local ranks it trains in a child of the rank server, which has torch's
+    optimizer machinery imported already (importing it here would cost the first run two seconds); under torchrun,
+    in place."""
+    if launch.under_torchrun():
+        return train_reference(cfg, train)
+    return launch.run(train_reference, 1, cfg, train)[0]
+
+
 def run_scheme(
     scheme: str,
     world_size: int,
@@ -443,11 +455,14 @@ def run_scheme(
     hardware: str | None = None,
     gpus_per_node: int | None = None,
     patch: tuple[str, str, Callable] | None = None,
+    stall_timeout: float = 20.0,
+    max_ranks: int | None = None,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster. ``patch`` =
-    (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts)."""
+    (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
+    ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`."""
     spec = validate(scheme, world_size, cfg, train, options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
@@ -460,11 +475,13 @@ def run_scheme(
         train,
         backend=backend,
         timeout=timeout,
+        stall_timeout=stall_timeout,
+        max_ranks=max_ranks,
         count_flops=profile is not None,
         **spec.fixed,
         **options,
     )
-    reference = train_reference(cfg, train)
+    reference = reference_run(cfg, train)
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
     params = {}  # the union of what the ranks hold (a pipeline rank holds only its stages)
@@ -496,7 +513,7 @@ def run_scheme(
         "params": count_params(TinyGPT(cfg)),
         "steps": train.steps,
         "losses": losses,
-        "reference_losses": reference.losses,
+        "reference_losses": list(reference.losses),
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)),
         "max_abs_param_diff": max_param_diff(params, reference.params),
         "rel_param_diff": rel_param_diff(params, reference.params),

@@ -307,3 +307,24 @@ def test_run_takes_the_model_sizes(capsys):
     assert data["max_abs_loss_diff"] < 1e-5
     with pytest.raises(SystemExit, match="heads=3 must divide d_model=64"):
         main(["run", "tp", "--tp", "2", "--heads", "3"])
+
+
+def test_a_rank_failure_is_the_rank_error_alone(monkeypatch, capsys):
+    """The CLI prints the RankError (which rank, why, its own traceback), not the launcher's stack above it."""
+    from course_lib import launch, schemes
+
+    def fails(*args, **kwargs):
+        raise launch.RankError("rank 1 of 2 raised ValueError: broken on purpose")
+
+    monkeypatch.setattr(schemes, "run_scheme", fails)
+    assert main(["run", "dp", "--world-size", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err == "course-lib run: rank 1 of 2 raised ValueError: broken on purpose\n" and out == ""
+
+
+def test_a_result_that_cannot_be_written_still_reaches_standard_output(capsys):
+    assert main(["schedule", "--stages", "2", "--microbatches", "2", "--json", "/dev/full"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("course-lib: could not write /dev/full (No space left on device); the JSON follows")
+    data, _ = json.JSONDecoder().raw_decode(out)  # the JSON first, then the usual human lines
+    assert data["bubble_fraction"] == pytest.approx(1 / 3)

@@ -46,12 +46,21 @@ class Costs:
     w: float = 0.0
 
 
+MAX_CELLS = 16_384  # stages x microbatches x chunks: 64 x 256 builds, checks and simulates in about a second
+
+
 def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
     """Refuse, before any rank starts, a schedule that cannot run with these sizes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
     if stages < 1 or microbatches < 1 or chunks < 1:
         raise ValueError(f"stages, microbatches and chunks must be at least 1, got {stages}, {microbatches}, {chunks}")
+    if stages * microbatches * chunks > MAX_CELLS:
+        raise ValueError(
+            f"{stages} stages x {microbatches} microbatches x {chunks} chunks = {stages * microbatches * chunks:,} "
+            f"forward passes to lay out; the course's tables stop at {MAX_CELLS:,} (about a second to build and "
+            "check). The bubble formulas hold for any size: use fewer stages or microbatches to see the table."
+        )
     if chunks > 1 and schedule != "interleaved":
         raise ValueError(f"--chunks {chunks} needs the interleaved schedule, not {schedule!r}")
     if schedule == "interleaved":

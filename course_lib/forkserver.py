@@ -1,0 +1,73 @@
+"""The process that local ranks are forked from: a multiprocessing forkserver with torch and course_lib imported.
+
+Importing torch takes seconds, so a rank is not spawned fresh (each would import it again) but forked from a server
+that imported it once; plain ``fork`` of the caller is no option either, since libgomp deadlocks in a child once
+the parent has run a threaded torch op. This module imports neither torch nor the rest of course_lib, so a command
+can :func:`warm` the server before its own imports: the two run side by side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+from multiprocessing import forkserver, spawn
+
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.optim",
+    "course_lib",
+    "course_lib.launch",
+    "course_lib.models",
+    "course_lib.memory",
+]
+RANK_NAME = "course_lib-rank"  # every local rank's process name starts with it
+_LOCK = threading.Lock()
+_standard_preparation_data = spawn.get_preparation_data
+
+
+def _preparation_data(name: str) -> dict:
+    """What multiprocessing tells a new process before it starts, minus the caller's main module for our ranks.
+
+    multiprocessing re-runs the parent's ``__main__`` in every child so that pickled references to it resolve; a
+    script without an ``if __name__ == "__main__":`` guard would then launch ranks from inside its ranks. Our ranks
+    receive their function by value (cloudpickle), so they never need the caller's main module.
+    """
+    data = _standard_preparation_data(name)
+    if name.startswith(RANK_NAME):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+spawn.get_preparation_data = _preparation_data
+
+
+def context() -> mp.context.BaseContext:
+    """The forkserver context the launcher starts ranks with."""
+    ctx = mp.get_context("forkserver")
+    with _LOCK:
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def warm() -> None:
+    """Start the server now, in the background, so that the first launch does not wait for its imports. A no-op
+    inside a rank or any other child process, and under torchrun (whose ranks run in place)."""
+    if mp.parent_process() is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return
+    context()
+    forkserver.ensure_running()
+
+
+def warm_for(argv: list[str]) -> None:
+    """Warm the server when a command line is about to launch ranks (``run``, ``demo``)."""
+    if argv[:1] in (["run"], ["demo"]) and "--help" not in argv and "-h" not in argv:
+        warm()
+
+
+if "ipykernel" in sys.modules and mp.parent_process() is None:  # a notebook will launch ranks soon: start now
+    warm()

@@ -1,0 +1,183 @@
+"""Every bad command line ends at once in one clear line and a non-zero exit, before any rank starts.
+
+Each row runs the command line in this process (``main(argv)``) with the launcher and the reference trainer made to
+fail the test if anything calls them, and checks the exit status, that exactly one line was printed (and no
+traceback), and that it took under 3 s. A few rows run as real subprocesses in ``test_cli.py`` too.
+"""
+
+import time
+
+import pytest
+
+from course_lib import cli, launch, schemes
+
+RUN_NUMBERS = ["--world-size", "--layers", "--hidden", "--heads", "--seq", "--steps", "--batch", "--grad-accum"]
+RUN_NUMBERS += ["--microbatches", "--chunks", "--gpus-per-node", "--tp", "--pp", "--dp", "--max-ranks"]
+NOT_POSITIVE = ["0", "-1", "nan", "inf", "1.5", "x", ""]
+
+BAD = (
+    # run: every whole-number flag refuses 0, negatives, NaN, infinity, fractions, words and nothing
+    [
+        (["run", "dp", flag, value], "must be a whole number" if value in ("0", "-1") else "")
+        for flag in RUN_NUMBERS
+        for value in NOT_POSITIVE
+    ]
+    + [
+        (["run", "dp", "--bucket-mb", v], "--bucket-mb: must be a finite number greater than 0")
+        for v in ("0", "-2", "nan", "inf")
+    ]
+    + [
+        (["run", "dp", flag, v], "must be a finite number greater than 0")
+        for flag in ("--timeout", "--stall-timeout")
+        for v in ("0", "nan", "-1")
+    ]
+    + [
+        (["run", "dp", "--seed", "-1"], "--seed: must be a whole number of at least 0"),
+        (["run", "nope"], "invalid choice: 'nope'"),
+        (["run"], "the following arguments are required: scheme"),
+        (["run", "dp", "--world-size", "3"], "does not split evenly over 3"),
+        (["run", "dp", "--world-size", "16"], "world size 16 is more ranks than this machine holds"),
+        (["run", "pp", "--world-size", "1000"], "world size 1000 is more ranks than this machine holds"),
+        (["run", "3d", "--pp", "500"], "more ranks than this machine holds"),
+        (["run", "dp", "--world-size", "9", "--batch", "9"], "more ranks than this machine holds"),
+        (["run", "tp", "--tp", "3"], "heads"),
+        (["run", "sp", "--tp", "8"], "heads"),
+        (["run", "tp", "--world-size", "2", "--tp", "4"], "--tp 4 is the tensor-parallel degree"),
+        (["run", "dp", "--tp", "2"], "--tp 2 is the tensor-parallel degree"),
+        (["run", "dp", "--pp", "2"], "belong to a 3d run"),
+        (["run", "dp", "--sp"], "belong to a 3d run"),
+        (["run", "dp", "--zero", "1"], "belong to a 3d run"),
+        (["run", "dp", "--zero", "2"], "invalid choice: 2"),
+        (["run", "dp", "--naive", "--bucket-mb", "1"], "exclude each other"),
+        (["run", "zero3", "--bucket-mb", "1"], "takes no option"),
+        (["run", "tp", "--grad-accum", "2"], "takes no option"),
+        (["run", "dp", "--schedule", "1f1b"], "takes no option"),
+        (["run", "single", "--world-size", "2"], "runs on one rank"),
+        (["run", "pp", "--schedule", "nope"], "unknown schedule 'nope'"),
+        (["run", "pp", "--schedule", "interleaved", "--chunks", "2", "--microbatches", "6"], "multiple of 4"),
+        (["run", "pp", "--chunks", "2"], "needs the interleaved schedule"),
+        (["run", "pp", "--microbatches", "3"], "does not split into 3 equal microbatches"),
+        (["run", "pp", "--layers", "2"], "4 pipeline stages (ranks x chunks) for 2 layers"),
+        (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"], "--tp x --pp x --dp = 8"),
+        (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "zb-h1"], "zb-h1 with tensor parallel"),
+        (["run", "3d", "--tp", "1", "--dp", "3"], "does not split over 3"),
+        (["run", "dp", "--heads", "3"], "heads=3 must divide d_model=64"),
+        (["run", "dp", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+        (["run", "dp", "--backend", "mpi"], "invalid choice: 'mpi'"),
+        (["run", "dp", "--backend", "nccl"], "needs one CUDA device per rank"),
+        (["run", "dp", "--dtype", "float16"], "invalid choice: 'float16'"),
+        (["run", "dp", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
+        (["run", "dp", "--json", "/"], "is a folder"),
+        (["run", "dp", "--plot", "/proc/version"], "is a file; --plot takes a folder"),
+        (["run", "dp", "--plot", "/proc/nope/figs"], "cannot create the folder"),
+        (["run", "dp", "--bogus"], "unrecognized arguments: --bogus"),
+        # demo
+        (["demo", "--world-size", "0"], "must be a whole number of at least 1"),
+        (["demo", "--world-size", "3"], "demo: dp on 3 ranks"),
+        (["demo", "--world-size", "12"], "larger than the global batch of 8"),
+        (["demo", "--world-size", "12", "--batch", "48"], "more ranks than this machine holds"),
+        (["demo", "--steps", "0"], "must be a whole number of at least 1"),
+        (["demo", "--batch", "nan"], "'nan' is not an integer"),
+        (["demo", "--plot", "/proc/version"], "is a file"),
+        # schedule
+        (["schedule", "--stages", "0"], "must be a whole number of at least 1"),
+        (["schedule", "--microbatches", "-3"], "must be a whole number of at least 1"),
+        (["schedule", "--chunks", "0"], "must be a whole number of at least 1"),
+        (["schedule", "--f", "-1"], "--f: must be a finite number greater than 0"),
+        (["schedule", "--b", "0"], "--b: must be a finite number greater than 0"),
+        (["schedule", "--w", "-0.5"], "--w: must be a finite number of at least 0"),
+        (["schedule", "--f", "nan"], "--f: must be a finite number"),
+        (["schedule", "--w", "inf"], "--w: must be a finite number"),
+        (["schedule", "--schedule", "zb-v"], "invalid choice: 'zb-v'"),
+        (["schedule", "--stages", "1000", "--microbatches", "1000"], "the course's tables stop at 16,384"),
+        (["schedule", "--schedule", "interleaved"], "at least 2 chunks"),
+        (["schedule", "--schedule", "interleaved", "--chunks", "2", "--microbatches", "6"], "multiple of 4"),
+        (["schedule", "--chunks", "2"], "needs the interleaved schedule"),
+        (["schedule", "--plot", "/tmp"], "is a folder; give a file name"),
+        (["schedule", "--plot", "schedule.xyz"], "give a file name ending in one of"),
+        (["schedule", "--plot", "/proc/nope/s.png"], "cannot create the folder"),
+        (["schedule", "--json", "/nonexistent/s.json"], "does not exist"),
+        # memory
+        (["memory"], "give --params N"),
+        (["memory", "--params", "0"], "--params: must be a finite number greater than 0"),
+        (["memory", "--params", "nan"], "--params: must be a finite number greater than 0"),
+        (["memory", "--params=-7e9"], "--params: must be a finite number greater than 0"),
+        (["memory", "--params", "1e400"], "--params: must be a finite number greater than 0"),
+        (["memory", "--params", "seven"], "'seven' is not a number"),
+        (["memory", "--params", "7e9", "--zero", "4"], "invalid choice: 4"),
+        (["memory", "--params", "7e9", "--dp", "0"], "--dp: must be a whole number of at least 1"),
+        (["memory", "--params", "7e9", "--tp", "-2"], "--tp: must be a whole number of at least 1"),
+        (["memory", "--params", "7e9", "--pp", "nan"], "'nan' is not an integer"),
+        (["memory", "--params", "7e9", "--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["memory", "--params", "7e9", "--recompute", "some"], "invalid choice: 'some'"),
+        (["memory", "--params", "7e9", "--micro-batch", "0"], "must be a whole number of at least 1"),
+        (["memory", "--layers", "2", "--hidden", "64"], "give --params N"),
+        (
+            [
+                "memory",
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--heads",
+                "32",
+                "--vocab",
+                "100",
+                "--seq",
+                "16",
+                "--tp",
+                "3",
+            ],
+            "tp 3 does not divide 32 heads",
+        ),
+        # plan
+        (["plan"], "the following arguments are required: --gpus"),
+        (["plan", "--gpus", "0", "--params", "7e9"], "--gpus: must be a whole number of at least 1"),
+        (["plan", "--gpus", "8"], "give a preset, the parameter count, or the dims"),
+        (["plan", "--gpus", "8", "--params", "nan"], "--params: must be a finite number"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--global-batch", "0"], "--global-batch: must be a whole number"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--micro-batch", "-1"], "--micro-batch: must be a whole number"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--gpu-mem-gb", "0"], "--gpu-mem-gb: must be a finite number"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node: must be a whole"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--hardware", "tpu"], "invalid choice: 'tpu'"),
+        (["plan", "--gpus", "8", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
+        (["plan", "--gpus", "8", "--preset", "llama3-405b", "--params", "7e9"], "not both"),
+        (["plan", "--gpus", "8", "--params", "1e15"], "plan: "),
+        (["plan", "--gpus", "16384", "--params", "7e9"], "plan: no layout of 16384 GPUs"),
+        # hardware and the command itself
+        (["hardware", "--json", "/nonexistent/h.json"], "does not exist"),
+        (["hardware", "--bogus"], "unrecognized arguments: --bogus"),
+        ([], "the following arguments are required: command"),
+        (["train"], "invalid choice: 'train'"),
+    ]
+)
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank (or the reference) started for a command line that should have been refused")
+
+    monkeypatch.setattr(launch, "_run_local", refuse)
+    monkeypatch.setattr(schemes, "train_reference", refuse)
+
+
+def test_the_table_is_large_and_covers_every_command():
+    assert len(BAD) >= 100
+    assert {argv[0] for argv, _ in BAD if argv} >= {"run", "demo", "schedule", "memory", "plan", "hardware"}
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD, ids=[" ".join(a) or "(nothing)" for a, _ in BAD])
+def test_a_bad_command_line_is_one_clear_line(argv, expected, nothing_may_start, capsys):
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    elapsed = time.perf_counter() - started
+    out, err = capsys.readouterr()
+    code = stop.value.code
+    message = code if isinstance(code, str) else err  # SystemExit("...") is printed by Python as it exits
+    assert code not in (0, None), "a refusal must exit non-zero"
+    assert out == "" and "Traceback" not in message
+    assert message.strip().count("\n") == 0, f"more than one line:\n{message}"
+    assert expected in message, message
+    assert elapsed < 3, f"took {elapsed:.1f} s to refuse"

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import cloudpickle
 import torch
@@ -259,12 +260,35 @@ def _payload(fn, args, kwargs) -> bytes:
                 cloudpickle.unregister_pickle_by_value(module)
 
 
+_STORE_PREFIX = "course_lib-store-"
+
+
+def _remove_stale_stores() -> None:
+    """Delete the store files of launchers that died before they could (killed parents): their pid is in the name."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_STORE_PREFIX}*-*"):
+        pid = path.name[len(_STORE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flops) -> RunResult:
     ctx = context()
     payload = _payload(fn, args, kwargs)
     # Rendezvous through a file, not a TCP store hosted here: a rank's first connection to such a store was now and
     # then reset and torch's client retried after a back-off of 1-5 s (one launch in four stalled ~5 s).
-    handle, store_path = tempfile.mkstemp(prefix="course_lib-store-")
+    _remove_stale_stores()
+    handle, store_path = tempfile.mkstemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")
     os.close(handle)
     status = ctx.Array(_RankStatus, world_size, lock=False)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

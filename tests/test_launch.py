@@ -280,3 +280,17 @@ def test_ranks_die_with_their_parent(tmp_path, how):
         assert not any(process_alive(pid) for pid in pids), "ranks outlived their parent"
     finally:
         parent.kill()
+
+
+def test_a_launch_removes_the_store_files_of_dead_launchers(tmp_path, monkeypatch):
+    """A killed launcher cannot delete its store file; the next launch does, and leaves live launchers' alone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = (
+        tmp_path / f"course_lib-store-{gone.stdout.strip()}-abc",
+        tmp_path / f"course_lib-store-{os.getpid()}-x",
+    )
+    dead.touch()
+    live.touch()
+    launch.run(returns_at_once, 2)
+    assert not dead.exists() and live.exists()

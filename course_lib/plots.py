@@ -1,4 +1,5 @@
-"""Figures of what the ranks did: timeline (Gantt), memory per rank beside the prediction, bytes moved per step.
+"""Figures of what the ranks did: timeline (Gantt), memory per rank beside the prediction, bytes moved per step
+and, in a 3D run, along each axis.
 
 Every function draws on a given matplotlib ``Axes`` (or a new figure) and returns the ``Figure``, so notebooks show
 it and the CLI saves it.
@@ -6,14 +7,20 @@ it and the CLI saves it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
 from course_lib.comm import CommRecord, summarize
 from course_lib.memory import CATEGORIES, model_state_formula
+from course_lib.mesh import name_of
 from course_lib.trace import Event, to_chrome_trace, with_idle
+
+if TYPE_CHECKING:
+    from course_lib.schemes import SchemeRun
 
 KIND_COLORS = {
     "forward": "#4C72B0",
@@ -24,6 +31,11 @@ KIND_COLORS = {
     "comm": "#937860",
     "idle": "#E5E5E5",
 }
+WALL_CLOCK = "wall clock"
+THIN_COMPUTE = 0.02  # on a modeled clock, a compute share below this is too thin to see: the figure says so
+# What a memory meter's peak holds beyond the bars, in every scheme: the gradients each layer's backward produces
+# for the layer below, and forward outputs that backward does not need (they are freed once used).
+TEMPORARIES = "gradients on their way back through backward, outputs not kept for backward"
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 
 
@@ -53,22 +65,34 @@ def plot_timeline(
     events_per_rank: Sequence[Sequence[Event]],
     ax=None,
     title: str = "What each rank did",
-    clock: str = "wall clock",
+    clock: str = WALL_CLOCK,
+    metered_step: int | None = None,
 ) -> plt.Figure:
-    """Two lanes per rank, as a profiler shows streams: compute above (gaps drawn as idle; an event inside
-    another, such as one block's forward inside the forward pass, drawn thinner on top) and collectives below.
-    On the wall clock a collective runs from its issue to its wait; on a modeled clock (``clock="modeled: h100"``)
-    from when its data starts to move to when it is done."""
-    fig, ax = _axes(ax, (10, 0.75 * len(events_per_rank) + 1.6))
+    """Per rank a compute lane (an event inside another, such as one block's forward inside the forward pass,
+    drawn thinner on top) and, when some rank made a collective, a collectives lane below it.
+
+    On the wall clock a collective's bar runs from its issue to the end of its wait, so it includes waiting for the
+    other ranks, and gaps in the compute lane stay blank: the rank was blocked in a wait or ran Python outside the
+    spans (batches, bookkeeping). On a modeled clock (``clock="modeled: h100"``) a collective's bar runs while its
+    data moves and gaps are idle (the rank waits for a collective); a note says when compute is too thin to see.
+    ``metered_step`` is the step that ran under the memory meter, whose bookkeeping slows it on the wall clock: a
+    note says so when that step is shown. A figure of several steps marks where each begins."""
+    n = len(events_per_rank)
+    wall = clock == WALL_CLOCK
+    lanes = any(e.kind == "comm" for rank_events in events_per_rank for e in rank_events)
+    fig, ax = _axes(ax, (10, 0.75 * n + 1.9))
     origin = min((e.start for rank_events in events_per_rank for e in rank_events), default=0.0)
     extent = max((e.end for rank_events in events_per_rank for e in rank_events), default=0.0) - origin
     factor, unit = time_unit(extent)
     seen = set()
     for rank, rank_events in enumerate(events_per_rank):
         compute = [e for e in rank_events if e.kind != "comm"]
-        for e in with_idle(compute) + [e for e in rank_events if e.kind == "comm"]:
+        for e in (compute if wall else with_idle(compute)) + [e for e in rank_events if e.kind == "comm"]:
             nested = e.kind != "comm" and any(o is not e and o.start <= e.start and e.end <= o.end for o in compute)
-            top, height = (rank + 0.04, 0.34) if e.kind == "comm" else (rank - 0.40, 0.40)
+            if e.kind == "comm":
+                top, height = rank + 0.04, 0.34
+            else:
+                top, height = (rank - 0.40, 0.40) if lanes else (rank - 0.35, 0.70)
             if nested:
                 top, height = top + 0.1, height - 0.2
             ax.broken_barh(
@@ -80,28 +104,108 @@ def plot_timeline(
                 zorder=3 if nested else 2,
             )
             seen.add(e.kind)
-    ax.set_yticks(range(len(events_per_rank)), [f"rank {r}" for r in range(len(events_per_rank))])
-    ax.set_ylim(len(events_per_rank) - 0.5, -0.5)
+    steps = _step_spans(events_per_rank)
+    if len(steps) > 1:
+        row, last = 0, None
+        for step, (start, _) in steps.items():
+            x = (start - origin) * factor
+            row = 1 - row if last is not None and x - last < 0.08 * extent * factor else 0  # a second row if close
+            last = x
+            ax.axvline(x, color="0.35", ls=":", lw=0.8, zorder=1)
+            ax.annotate(
+                f"step {step}",
+                (x, 1.0),
+                xycoords=ax.get_xaxis_transform(),
+                xytext=(2, -2 - 10 * row),
+                textcoords="offset points",
+                fontsize=8,
+                va="top",
+                color="0.25",
+            )
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_ylim(n - 0.5, -0.5 - 0.45 * (len(steps) > 1))  # room for two rows of step labels
     ax.set_xlabel(f"{clock}: time ({unit}) from the first event shown")
-    ax.set_title(f"{title} ({clock})\nupper lane: compute, lower lane: collectives", fontsize=10)
+    if lanes:
+        lanes_line = "upper lane: compute" + (" (blank: waiting, or untraced Python)" if wall else "")
+        lanes_line += ", lower lane: collectives"
+    else:
+        lanes_line = "compute only, no rank made a collective" + (" (blank: untraced Python)" if wall else "")
+    lines = [f"{title} ({clock})", lanes_line]
+    if wall and metered_step in steps:
+        lines.append(_metered_note(steps, metered_step, factor, unit))
+    share = _compute_share(events_per_rank, extent)
+    if not wall and share < THIN_COMPUTE:
+        lines.append(
+            f"compute is {share * 100:.2g}% of the ranks' time, too thin to see: they have little to compute between "
+            "collectives (a wider model or a larger batch gives them more)"
+        )
+    ax.set_title("\n".join(textwrap.fill(line, 95) for line in lines), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in KIND_COLORS if k in seen]
-    ax.legend(handles, [k for k in KIND_COLORS if k in seen], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    kinds = [k for k in KIND_COLORS if k in seen]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in kinds]
+    ax.legend(handles, [_kind_label(k, wall) for k in kinds], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
 
 
-def plot_clocks(wall: Sequence[Sequence[Event]], modeled, title: str = "One step") -> plt.Figure:
+def _kind_label(kind: str, wall: bool) -> str:
+    if kind == "comm":
+        return "collective: issued → done,\nwaiting for peers included" if wall else "collective: data moving"
+    if kind == "idle":
+        return "idle: waiting for\na collective"
+    return kind
+
+
+def _step_spans(events_per_rank: Sequence[Sequence[Event]]) -> dict[int, tuple[float, float]]:
+    """(first start, last end) over all ranks of each step the events are tagged with, in step order."""
+    spans: dict[int, tuple[float, float]] = {}
+    for e in sorted((e for rank_events in events_per_rank for e in rank_events), key=lambda e: e.start):
+        step = e.tags.get("step")
+        if step is not None:
+            start, end = spans.get(step, (e.start, e.end))
+            spans[step] = (start, max(end, e.end))
+    return dict(sorted(spans.items()))
+
+
+def _metered_note(steps: dict[int, tuple[float, float]], metered: int, factor: float, unit: str) -> str:
+    """What the memory meter did to the wall clock of its step, against the step before it when that is shown."""
+    note = f"step {metered} ran under the memory meter, whose bookkeeping slows it"
+    if metered - 1 not in steps:
+        return note
+
+    def took(step: int) -> str:
+        return f"{(steps[step][1] - steps[step][0]) * factor:.3g} {unit}"
+
+    return note + f" ({took(metered)}; step {metered - 1}: {took(metered - 1)})"
+
+
+def _compute_share(events_per_rank: Sequence[Sequence[Event]], extent: float) -> float:
+    """The share of the ranks' time (``extent`` each) that some compute event covers."""
+    if not extent:
+        return 1.0
+    busy = 0.0
+    for rank_events in events_per_rank:
+        compute = [e for e in rank_events if e.kind != "comm"]
+        if compute:
+            span = max(e.end for e in compute) - min(e.start for e in compute)
+            busy += span - sum(e.duration for e in with_idle(compute) if e.kind == "idle")
+    return busy / (extent * len(events_per_rank))
+
+
+def plot_clocks(
+    wall: Sequence[Sequence[Event]], modeled, title: str = "One step", metered_step: int | None = None
+) -> plt.Figure:
     """The same events on the wall clock (this machine) above and on a modeled cluster below
-    (``modeled`` is a :class:`course_lib.hardware.ModeledRun`; both show its step)."""
+    (``modeled`` is a :class:`course_lib.hardware.ModeledRun`; both show its step). ``metered_step``: the step
+    that ran under the memory meter (see :func:`plot_timeline`)."""
     n = len(wall)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.5 * n + 3.2), layout="constrained")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.5 * n + 3.8), layout="constrained")
 
     def step_only(per_rank):
         return [
             [e for e in events if modeled.step is None or e.tags.get("step") == modeled.step] for events in per_rank
         ]
 
-    plot_timeline(step_only(wall), ax=top, title=title)
+    plot_timeline(step_only(wall), ax=top, title=title, metered_step=metered_step)
     plot_timeline(
         step_only(modeled.events),
         ax=bottom,
@@ -148,49 +252,62 @@ def plot_memory(
     ax=None,
     title: str = "Memory per rank",
     labels: Sequence[str] | None = None,
+    temporaries: str = f"{TEMPORARIES} and, under ZeRO-3, the gathered parameters",
 ) -> plt.Figure:
     """Per rank (or per ``labels`` entry), a stacked bar of measured bytes (params, grads, optimizer, activations at
     their peak) and, hatched beside it, the prediction; ``predicted`` has the same keys (``activations`` last).
-    A black line marks the measured peak: all of it live at once, plus temporaries (a layer's output, a gradient
-    bucket, a gathered unit)."""
-    fig, ax = _axes(ax, (max(5, 1.4 * len(measured) + 3), 4))
-    bars = [("measured", measured, 0.0)] + ([("predicted", predicted, 0.38)] if predicted else [])
-    top = max(max(sum(_mem_parts(m).values()), m.get("peak", 0)) for _, rows, _ in bars for m in rows)
+    A black line marks the measured peak: every byte live at the worst moment, including the ``temporaries`` that
+    no bar counts (the legend names them)."""
+    fig, ax = _axes(ax, (max(6.5, 1.4 * len(measured) + 4), 4.2))
+    top = max(max(sum(_mem_parts(m).values()), m.get("peak", 0)) for m in [*measured, *(predicted or [])])
     scale, unit = byte_unit(top)
-    width = 0.36 if predicted else 0.6
-    for label, rows, offset in bars:
-        for rank, row in enumerate(rows):
-            bottom = 0.0
-            for cat, value in _mem_parts(row).items():
-                ax.bar(
-                    rank + offset - (0.19 if predicted else 0.0),
-                    value / scale,
-                    width,
-                    bottom=bottom,
-                    color=MEMORY_COLORS[cat],
-                    hatch="//" if label == "predicted" else None,
-                    edgecolor="white",
-                    label=f"{cat}" if rank == 0 and label == "measured" else None,
-                )
-                bottom += value / scale
-    for rank, row in enumerate(measured):
-        if "peak" in row:  # everything live at the worst moment, temporaries included
-            x = rank - (0.19 if predicted else 0.0)
+    width, shift = (0.36, 0.19) if predicted else (0.6, 0.0)
+    xs = [rank - shift for rank in range(len(measured))]
+    _stacked_bars(ax, xs, [_mem_parts(m) for m in measured], MEMORY_COLORS, width, scale)
+    if predicted:
+        _stacked_bars(ax, [x + 2 * shift for x in xs], map(_mem_parts, predicted), MEMORY_COLORS, width, scale, "//")
+    peak_label = textwrap.fill(
+        f"measured peak: all bytes live at the worst moment, temporaries included: {temporaries}", 40
+    )
+    for rank, (x, row) in enumerate(zip(xs, measured, strict=True)):
+        if "peak" in row:
             ax.hlines(
                 row["peak"] / scale,
                 x - width / 2,
                 x + width / 2,
                 colors="black",
                 linewidth=2,
-                label="measured peak" if rank == 0 else None,
                 zorder=4,
+                label=peak_label if rank == 0 else None,
             )
     ax.set_xticks(range(len(measured)), labels or [f"rank {r}" for r in range(len(measured))])
     ax.set_ylabel(f"bytes ({unit})")
-    ax.set_title(title + (" — solid: measured, hatched: predicted" if predicted else ""))
+    ax.set_title(title + ("\nsolid: measured, hatched: predicted" if predicted else ""), fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig
+
+
+def _stacked_bars(
+    ax, xs: Sequence[float], rows: Iterable[dict], colors: dict, width: float, scale: float, hatch: str | None = None
+) -> None:
+    """At each x, one bar of its row's values stacked in the order of ``colors`` (keys: the row's keys); the
+    segments of the first bar without ``hatch`` name the legend's entries."""
+    for i, (x, row) in enumerate(zip(xs, rows, strict=True)):
+        bottom = 0.0
+        for key, color in colors.items():
+            value = row.get(key, 0) / scale
+            ax.bar(
+                x,
+                value,
+                width,
+                bottom=bottom,
+                color=color,
+                hatch=hatch,
+                edgecolor="white",
+                label=key if i == 0 and hatch is None else None,
+            )
+            bottom += value
 
 
 def _mem_parts(row: dict) -> dict:
@@ -230,50 +347,128 @@ def plot_zero_memory(
 
 
 def plot_comm(records: Sequence[CommRecord], ax=None, title: str = "Bytes sent per step, by collective") -> plt.Figure:
-    """Stacked bars: for each step, the ring bytes this rank sent in each kind of collective."""
-    fig, ax = _axes(ax, (7, 3.5))
-    by_step = {}
-    for step in sorted({r.tags.get("step") for r in records if r.tags.get("step") is not None}):
-        by_step[step] = summarize([r for r in records if r.tags.get("step") == step])
-    ops = sorted({op for summary in by_step.values() for op in summary})
+    """Stacked bars: for each step, the ring bytes this rank sent in each kind of collective (a kind that sent
+    nothing, such as ``recv``, is named under the legend instead)."""
+    fig, ax = _axes(ax, (8, 3.5))
+    steps = sorted({r.tags["step"] for r in records if r.tags.get("step") is not None})
+    by_step = [
+        {op: s["bytes"] for op, s in summarize(r for r in records if r.tags.get("step") == step).items()}
+        for step in steps
+    ]
+    ops = _drawn_keys(ax, by_step)
     if not ops:
         ax.text(0.5, 0.5, "no communication: a single rank talks to nobody", ha="center", transform=ax.transAxes)
-    top = max((sum(s["bytes"] for s in summary.values()) for summary in by_step.values()), default=1.0)
-    scale, unit = byte_unit(top)
-    bottoms = dict.fromkeys(by_step, 0.0)
-    for i, op in enumerate(ops):
-        heights = [by_step[step].get(op, {"bytes": 0.0})["bytes"] / scale for step in by_step]
-        ax.bar(list(by_step), heights, bottom=list(bottoms.values()), label=op, color=f"C{i}")
-        for step, h in zip(by_step, heights, strict=True):
-            bottoms[step] += h
+        ax.set_yticks([])
+    scale, unit = byte_unit(max((sum(row.values()) for row in by_step), default=1.0))
+    _stacked_bars(ax, steps, by_step, {op: f"C{i}" for i, op in enumerate(ops)}, 0.8, scale)
     ax.set_xlabel("training step")
     ax.set_ylabel(f"bytes sent ({unit})")
-    ax.set_xticks(list(by_step))
+    ax.set_xticks(steps)
     ax.set_title(title)
     if ops:
-        ax.legend(fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
 
-def save_run_figures(run, folder) -> list[str]:
-    """Write a scheme run's timeline, memory and comm figures (PNG) and its Chrome trace (JSON) into ``folder``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    name = f"{run.report['scheme']}_n{run.report['world_size']}"
+AXIS_COLORS = {"tp": "#4C72B0", "pp": "#55A868", "embedding": "#8172B3", "dp": "#DD8452"}
+
+
+def plot_traffic(
+    records_per_rank: Sequence[Sequence[CommRecord]],
+    predicted: Sequence[dict] | None = None,
+    step: int | None = None,
+    ax=None,
+    title: str = "Bytes each rank sent, by axis",
+    labels: Sequence[str] | None = None,
+) -> plt.Figure:
+    """Per rank (named by ``labels``, default "rank r"), the ring bytes it sent in ``step`` (default: the last one
+    recorded) stacked by process group: in a 3D run the axes tp, pp, embedding and dp. ``predicted`` (bytes by axis
+    per rank, such as :func:`course_lib.schemes.predict_axis_traffic`) is drawn hatched beside each bar."""
+    if step is None:
+        step = max(r.tags["step"] for records in records_per_rank for r in records if "step" in r.tags)
+    measured = [
+        {axis: s["bytes"] for axis, s in summarize((r for r in rs if r.tags.get("step") == step), "group").items()}
+        for rs in records_per_rank
+    ]
+    n = len(measured)
+    fig, ax = _axes(ax, (max(7, 0.8 * n + 4), 4))
+    axes = _drawn_keys(ax, [*measured, *(predicted or [])])
+    colors = {axis: AXIS_COLORS.get(axis, f"C{i}") for i, axis in enumerate(axes)}
+    scale, unit = byte_unit(max(sum(row.values()) for row in [*measured, *(predicted or [])]))
+    width, shift = (0.36, 0.19) if predicted else (0.6, 0.0)
+    _stacked_bars(ax, [r - shift for r in range(n)], measured, colors, width, scale)
+    if predicted:
+        _stacked_bars(ax, [r + shift for r in range(n)], predicted, colors, width, scale, "//")
+    ax.set_xticks(range(n), labels or [f"rank {r}" for r in range(n)])
+    ax.set_ylabel(f"bytes sent ({unit})")
+    ax.set_title(f"{title}, step {step}" + ("\nsolid: measured (the ledger), hatched: predicted" if predicted else ""))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _drawn_keys(ax, rows: Sequence[dict]) -> list[str]:
+    """The keys of ``rows`` (in order of appearance) that sent bytes in some row; a note under the legend names
+    the others, which sent 0 bytes."""
+    totals: dict = {}
+    for row in rows:
+        for key, value in row.items():
+            totals[key] = totals.get(key, 0.0) + value
+    silent = [key for key, total in totals.items() if not total]
+    if silent:
+        why = " (a message is counted once, by its sender)" if "recv" in silent else ""
+        note = textwrap.fill(f"not drawn, 0 bytes sent: {', '.join(silent)}{why}", 30)
+        ax.text(1.02, 0.0, note, transform=ax.transAxes, fontsize=8, va="bottom")
+    return [key for key, total in totals.items() if total]
+
+
+def _run_name(run: SchemeRun) -> str:
+    return f"{run.report['scheme']}_n{run.report['world_size']}"
+
+
+def run_figures(run: SchemeRun) -> dict[str, plt.Figure]:
+    """A scheme run's figures by file name: timeline, memory, comm (for a 3D run: bytes by axis on every rank
+    beside the prediction) and, when the run was replayed on a modeled cluster, both clocks of its last step."""
+    name = _run_name(run)
+    metered = run.report["steps"] - 1  # every scheme meters the step it reports, the last
     memory = [r["memory"] for r in run.report["ranks"]]
+    temporaries = TEMPORARIES + (", the gathered parameters" if run.report["scheme"] == "zero3" else "")
+    if run.report["scheme"] == "3d":
+        comm = plot_traffic(
+            run.result.comm,
+            run.predicted_comm,
+            title=f"{name}: bytes each rank sent, by axis",
+            labels=[f"rank {r['rank']}\n{name_of(r['coords'])}" for r in run.report["ranks"]],
+        )
+    else:
+        comm = plot_comm(run.result.comm[0], title=f"{name}: bytes rank 0 sent per step")
     figures = {
-        f"{name}_timeline.png": plot_timeline(run.result.events, title=f"{name}: what each rank did"),
-        f"{name}_memory.png": plot_memory(memory, run.predicted_memory, title=f"{name}: memory per rank"),
-        f"{name}_comm.png": plot_comm(run.result.comm[0], title=f"{name}: bytes rank 0 sent per step"),
+        f"{name}_timeline.png": plot_timeline(
+            run.result.events, title=f"{name}: what each rank did", metered_step=metered
+        ),
+        f"{name}_memory.png": plot_memory(
+            memory, run.predicted_memory, title=f"{name}: memory per rank", temporaries=temporaries
+        ),
+        f"{name}_comm.png": comm,
     }
     if run.modeled is not None:
-        figures[f"{name}_clocks.png"] = plot_clocks(run.result.events, run.modeled, title=f"{name}: last step")
+        figures[f"{name}_clocks.png"] = plot_clocks(
+            run.result.events, run.modeled, title=f"{name}: last step", metered_step=metered
+        )
+    return figures
+
+
+def save_run_figures(run: SchemeRun, folder: str | Path) -> list[str]:
+    """Write a scheme run's figures (:func:`run_figures`, PNG) and its Chrome trace (JSON) into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, fig in figures.items():
+    for filename, fig in run_figures(run).items():
         fig.savefig(folder / filename, dpi=110)
         plt.close(fig)
         written.append(str(folder / filename))
-    to_chrome_trace(run.result.events, folder / f"{name}_trace.json")
-    written.append(str(folder / f"{name}_trace.json"))
+    trace_file = folder / f"{_run_name(run)}_trace.json"
+    to_chrome_trace(run.result.events, trace_file)
+    written.append(str(trace_file))
     return written

@@ -1,34 +1,188 @@
-"""The figures carry labels with units and one row or bar per rank."""
+"""The figures carry labels with units and one row or bar per rank, say what their marks hold, and fit their
+canvas."""
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
 
+from course_lib.comm import CommRecord  # noqa: E402
 from course_lib.models import TrainConfig  # noqa: E402
-from course_lib.plots import byte_unit, plot_comm, plot_memory, plot_timeline  # noqa: E402
+from course_lib.plots import (  # noqa: E402
+    KIND_COLORS,
+    byte_unit,
+    plot_comm,
+    plot_memory,
+    plot_timeline,
+)
 from course_lib.schemes import run_scheme  # noqa: E402
+from course_lib.trace import Event  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dp_run():
+    """Two data-parallel steps on 2 ranks, also replayed on a modeled H100 cluster (the tiny default model)."""
+    return run_scheme("dp", 2, train=TrainConfig(steps=2), hardware="h100", gpus_per_node=1)
+
+
+@pytest.fixture(scope="module")
+def grid_run():
+    """Two steps of a 2 x 2 x 2 grid on 8 ranks, also replayed on a modeled H100 cluster."""
+    return run_scheme("3d", 8, train=TrainConfig(steps=2), hardware="h100")
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def fits(fig) -> bool:
+    """Nothing drawn outside the canvas: titles, legends, notes and tick labels all inside it."""
+    fig.canvas.draw()
+    inside = fig.get_tightbbox(fig.canvas.get_renderer())
+    width, height = fig.get_size_inches()
+    return inside.x0 >= -0.01 and inside.y0 >= -0.01 and inside.x1 <= width + 0.01 and inside.y1 <= height + 0.01
+
+
+def legend_labels(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def idle_bars(ax) -> int:
+    idle = to_hex(KIND_COLORS["idle"])
+    return sum(to_hex(c.get_facecolor()[0]) == idle for c in ax.collections)
 
 
 def test_byte_units_are_decimal():
     assert byte_unit(112e9) == (1e9, "GB") and byte_unit(2.5e6) == (1e6, "MB") and byte_unit(12) == (1.0, "B")
 
 
-def test_figures_of_a_real_run_are_labelled():
-    run = run_scheme("dp", 2, train=TrainConfig(steps=2))
-    timeline = plot_timeline(run.result.events).axes[0]
+def test_figures_of_a_real_run_are_labelled(dp_run):
+    timeline = plot_timeline(dp_run.result.events).axes[0]
     assert timeline.get_xlabel() == "wall clock: time (ms) from the first event shown"
     assert [t.get_text() for t in timeline.get_yticklabels()] == ["rank 0", "rank 1"]
-    assert {t.get_text() for t in timeline.get_legend().get_texts()} >= {"forward", "backward", "optimizer", "comm"}
+    assert {"forward", "backward", "optimizer"} <= set(legend_labels(timeline))
 
-    memory = plot_memory([r["memory"] for r in run.report["ranks"]], run.predicted_memory).axes[0]
+    memory = plot_memory([r["memory"] for r in dp_run.report["ranks"]], dp_run.predicted_memory).axes[0]
     assert memory.get_ylabel() == "bytes (MB)"
     assert "predicted" in memory.get_title()
 
-    comm = plot_comm(run.result.comm[0]).axes[0]
+    comm = plot_comm(dp_run.result.comm[0]).axes[0]
     assert comm.get_ylabel() == "bytes sent (kB)" and comm.get_xlabel() == "training step"
     heights = [p.get_height() for p in comm.patches]
-    assert heights == [4 * run.report["params"] / 1e3] * 2
+    assert heights == [4 * dp_run.report["params"] / 1e3] * 2
+
+
+def test_the_one_rank_memory_figure_fits_its_canvas():
+    row = {"params": 439_808, "grads": 431_616, "optimizer": 863_332, "activations_peak": 2_637_828}
+    assert fits(plot_memory([row | {"peak": 4_630_636}], [row], title="single_n1: memory per rank"))
+
+
+def test_every_figure_of_a_run_fits_its_canvas(dp_run, grid_run):
+    from course_lib.plots import run_figures
+
+    for run in (dp_run, grid_run):
+        for name, fig in run_figures(run).items():
+            assert fits(fig), name
+
+
+def test_the_memory_peak_says_what_it_holds_beyond_the_bars(dp_run):
+    ax = plot_memory([r["memory"] for r in dp_run.report["ranks"]], dp_run.predicted_memory).axes[0]
+    peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
+    assert "temporaries" in peak and "gradients on their way back" in peak and "ZeRO-3" in peak
+
+    from course_lib.plots import run_figures
+
+    ax = run_figures(dp_run)["dp_n2_memory.png"].axes[0]
+    peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
+    assert "gradients on their way back" in peak and "gathered" not in peak  # DP gathers nothing
+
+
+def record(op: str, sent: float, step: int, group: str = "world") -> CommRecord:
+    return CommRecord(op, group, 2, (0, 1), int(sent), sent, 0.0, 1.0, tags={"step": step})
+
+
+def test_the_comm_legend_sits_beside_the_bars_and_zero_byte_calls_are_named_not_drawn():
+    records = [
+        record(op, sent, step) for step in (0, 1) for op, sent in (("send", 4e3), ("recv", 0.0), ("all_reduce", 2e3))
+    ]
+    fig = plot_comm(records)
+    ax = fig.axes[0]
+    assert legend_labels(ax) == ["send", "all_reduce"]
+    assert len(ax.patches) == 4
+    note = " ".join(t.get_text() for t in ax.texts).replace("\n", " ")
+    assert "0 bytes sent: recv" in note and "sender" in note
+    fig.canvas.draw()
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # beside the axes, over no bar
+
+
+def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run):
+    from course_lib.plots import run_figures
+
+    ax = run_figures(grid_run)["3d_n8_comm.png"].axes[0]
+    axes = legend_labels(ax)
+    assert axes == ["tp", "pp", "embedding", "dp"]
+    assert ax.get_ylabel() == "bytes sent (kB)"
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["rank 0\ndp0-pp0-tp0", "rank 1\ndp0-pp0-tp1"]
+    for rank, (row, predicted) in enumerate(zip(grid_run.report["ranks"], grid_run.predicted_comm, strict=True)):
+        bars = [p for p in ax.patches if round(p.get_x() + p.get_width() / 2) == rank]
+        solid = [1e3 * p.get_height() for p in bars if not p.get_hatch()]
+        hatched = [1e3 * p.get_height() for p in bars if p.get_hatch()]
+        assert solid == pytest.approx([row["comm_by_axis"].get(a, 0) for a in axes], rel=1e-12)
+        assert hatched == pytest.approx([predicted.get(a, 0) for a in axes], rel=1e-12)
+
+
+def test_the_wall_clock_draws_no_idle_and_says_what_a_collective_bar_holds(dp_run):
+    ax = plot_timeline(dp_run.result.events).axes[0]
+    assert idle_bars(ax) == 0  # a gap on the wall clock is waiting or untraced Python, not known to be idle
+    assert "collective: issued → done,\nwaiting for peers included" in legend_labels(ax)
+    assert "idle" not in " ".join(legend_labels(ax))
+    assert [t.get_text() for t in ax.texts] == ["step 0", "step 1"]
+
+
+def test_the_wall_clock_says_which_step_ran_under_the_memory_meter(dp_run):
+    title = plot_timeline(dp_run.result.events, metered_step=1).axes[0].get_title()
+    assert "step 1 ran under the memory meter, whose bookkeeping slows it (" in title and "; step 0: " in title
+    assert "memory meter" not in plot_timeline(dp_run.result.events).axes[0].get_title()
+
+
+def test_one_rank_without_collectives_gets_one_lane_and_no_idle():
+    events = [
+        Event(0, "forward", "forward", 0.0, 1.0, {"step": 0}),
+        Event(0, "backward", "backward", 1.0, 2.0, {"step": 0}),
+        Event(0, "optimizer", "optimizer", 2.5, 3.0, {"step": 0}),  # after untraced Python, not after waiting
+    ]
+    ax = plot_timeline([events]).axes[0]
+    assert idle_bars(ax) == 0 and len(ax.collections) == 3
+    assert all(c.get_paths()[0].get_extents().height == pytest.approx(0.7) for c in ax.collections)  # whole row
+    assert "no rank made a collective" in ax.get_title() and "lower lane" not in ax.get_title()
+    assert "memory meter" not in ax.get_title()
+
+
+def test_both_clocks_side_by_side_use_their_own_units(dp_run):
+    from course_lib.plots import plot_clocks
+
+    wall, modeled = plot_clocks(dp_run.result.events, dp_run.modeled, metered_step=1).axes
+    assert wall.get_xlabel() == "wall clock: time (ms) from the first event shown"
+    assert modeled.get_xlabel() == "modeled: h100, 1 GPU per node: time (µs) from the first event shown"
+    assert "step 1 ran under the memory meter, whose bookkeeping slows it" in wall.get_title()
+    assert "memory meter" not in modeled.get_title()  # the replay counts FLOPs, which the meter does not change
+    assert "collective: data moving" in legend_labels(modeled) and "idle: waiting for\na collective" in legend_labels(
+        modeled
+    )
+
+
+def test_the_modeled_clock_says_when_compute_is_too_thin_to_see(dp_run):
+    modeled = dp_run.modeled
+    ax = plot_timeline(modeled.events, clock="modeled: h100").axes[0]
+    share = sum(r.compute_s for r in modeled.ranks) / sum(r.step_time_s for r in modeled.ranks)
+    assert share < 0.02  # the tiny default model gives an H100 almost nothing to do
+    assert "compute is" in ax.get_title() and "too thin to see" in ax.get_title()
+    busy = [[Event(r, "forward", "forward", 0.0, 9.0), Event(r, "comm", "all_reduce", 9.0, 10.0)] for r in (0, 1)]
+    assert "compute is" not in plot_timeline(busy, clock="modeled: h100").axes[0].get_title()
 
 
 def test_zero_memory_figure_shows_the_papers_four_totals():
@@ -47,15 +201,6 @@ def test_zero_memory_explorer_redraws_for_its_sliders():
     assert sliders["N (devices)"].value == 64 and abs(sliders["Ψ (billions)"].value - 7.5) < 1e-9
     sliders["N (devices)"].value = 8  # moving a slider redraws
     assert plt.gcf().axes[0].get_title() == "7.5B parameters, mixed Adam, 8 data-parallel devices"
-
-
-def test_both_clocks_side_by_side_use_their_own_units():
-    from course_lib.plots import plot_clocks
-
-    run = run_scheme("dp", 2, train=TrainConfig(steps=2), hardware="h100", gpus_per_node=1)
-    wall, modeled = plot_clocks(run.result.events, run.modeled).axes
-    assert wall.get_xlabel() == "wall clock: time (ms) from the first event shown"
-    assert modeled.get_xlabel() == "modeled: h100, 1 GPU per node: time (µs) from the first event shown"
 
 
 def test_schedule_explorer_redraws_with_its_bubble(capsys):

@@ -22,6 +22,7 @@ the collective each was last in). Every child process is reaped in all cases.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import io
@@ -212,6 +213,23 @@ def _ledgers(value) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------- torchrun
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's rendezvous store, seen under a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    After a restart (``--max-restarts``) the store still holds the failed attempt's gloo addresses; a restarted
+    rank that read one of them before its peer rewrote it failed in ``connectFullMesh`` (connection refused, two
+    restarts in three here, and with plain ``init_process_group`` too). Each attempt's own keys avoid that."""
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"course_lib/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
     global _DEVICE
     env_world = int(os.environ["WORLD_SIZE"])
@@ -227,7 +245,12 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
         _DEVICE = torch.device("cuda", local_rank)
         torch.cuda.set_device(_DEVICE)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        rank, pg_timeout = int(os.environ["RANK"]), timedelta(seconds=timeout)
+        store = _attempt_store(rank, env_world, pg_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=env_world, timeout=pg_timeout)
+        # Tear the group down before the interpreter does: a rank that exited with its group and store alive
+        # aborted now and then ("terminate called without an active exception").
+        atexit.register(dist.destroy_process_group)
     started = time.perf_counter()
     trace.reset(dist.get_rank(), started)
     comm.reset()

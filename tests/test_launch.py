@@ -294,3 +294,36 @@ def test_a_launch_removes_the_store_files_of_dead_launchers(tmp_path, monkeypatc
     live.touch()
     launch.run(returns_at_once, 2)
     assert not dead.exists() and live.exists()
+
+
+RESTARTS = """
+import os, sys, torch, torch.distributed as dist
+from course_lib import launch
+
+def fails_once():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+        sys.exit(3)  # the first attempt loses a rank; torchrun restarts the group
+    return t.item()
+
+result = launch.run(fails_once, 2)
+if dist.get_rank() == 0:
+    print("restarted and finished:", list(result))
+"""
+
+
+def test_a_torchrun_restart_comes_back(tmp_path):
+    """After --max-restarts, torchrun's store still held the failed attempt's addresses; two restarts in three
+    failed in gloo's connectFullMesh. Each attempt now rendezvouses under its own prefix."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = tmp_path / "fails_once.py"
+    script.write_text(RESTARTS)
+    for _ in range(2):
+        done = subprocess.run(
+            [torchrun, "--nproc-per-node", "2", "--max-restarts", "1", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0 and "restarted and finished: [2.0, 2.0]" in done.stdout, done.stderr[-3000:]

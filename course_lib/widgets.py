@@ -1,62 +1,137 @@
-"""Interactive explorers for the notebooks (ipywidgets): each redraws a course figure as its sliders move."""
+"""Interactive explorers for the notebooks (ipywidgets): each redraws a course figure as its controls move.
+
+Every control shows its whole label, a control that cannot change the figure in the current state is disabled, and
+a slider offers the value the notebook asks for as one of its stops (a browser slider shows only its stops: a log
+slider stepping 0.05 in the exponent would move 7.5 to 10^0.9 = 7.94 and send that back to the kernel).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
-from course_lib.plots import MEMORY_COLORS, byte_unit, plot_schedule, plot_zero_memory
+from course_lib.memory import model_state_formula
+from course_lib.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_schedule, plot_zero_memory
+
+# Room for the longest label ("microbatches m", "GPUs per node") before every control, so that the controls line up.
+LABEL_STYLE = {"description_width": "8.5em"}
+SLIDER_LAYOUT = {"width": "30em"}
+ROUND_MANTISSAS = (1, 1.5, 2, 3, 5, 7.5)
+STAGE_NAMES = [name.split("\n")[0] for name in ZERO_STAGES.values()]
 
 
-def zero_memory_explorer(params: float = 7.5e9, dp: int = 64, precision: str = "mixed") -> widgets.Widget:
-    """Sliders for the parameter count and the data-parallel degree, redrawing model-state memory per device for
-    each ZeRO stage (defaults: the ZeRO paper's Figure 1, 7.5B parameters on 64 devices)."""
+def _stops(values: Iterable[float], value: float) -> list[tuple[str, float]]:
+    """(label, value) options for a :class:`~ipywidgets.SelectionSlider`: ``values`` and ``value``, in order."""
+    return [(f"{x:g}", x) for x in sorted({*values, value})]
 
-    def draw(params_billions: float, dp: int, precision: str) -> None:
-        plot_zero_memory(params_billions * 1e9, dp, precision)
-        plt.show()
 
-    return widgets.interactive(
-        draw,
-        params_billions=widgets.FloatLogSlider(
-            value=params / 1e9, base=10, min=0, max=3, step=0.05, description="Ψ (billions)", readout_format=".3g"
-        ),
-        dp=widgets.SelectionSlider(options=[2**k for k in range(11)], value=dp, description="N (devices)"),
-        precision=widgets.ToggleButtons(options=["mixed", "fp32"], value=precision, description="precision"),
+def billions_slider(value: float, lowest: int = 0, highest: int = 3) -> widgets.SelectionSlider:
+    """A slider over round parameter counts in billions, 1, 1.5, 2, 3, 5 and 7.5 times each power of ten from
+    10^lowest to 10^highest, with ``value`` one of its stops; its value changes when it is released."""
+    rounds = [m * 10**k if k >= 0 else m / 10**-k for k in range(lowest, highest + 1) for m in ROUND_MANTISSAS]
+    return widgets.SelectionSlider(
+        options=_stops([x for x in rounds if x <= 10**highest], value),
+        value=value,
+        description="Ψ (billions)",
+        continuous_update=False,
+        style=LABEL_STYLE,
+        layout=SLIDER_LAYOUT,
     )
 
 
-def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int = 8) -> widgets.Widget:
-    """Pick a schedule, the number of stages, microbatches and chunks, and the cost of F, B and W: the simulated
-    timeline and its bubble are redrawn beside the paper's formula."""
-    from course_lib.parallel.schedules import Costs, bubble_formula, generate, simulate
+def zero_totals(params: float, dp: int, precision: str = "mixed") -> tuple[list[float], str]:
+    """Model-state memory per device of DP and ZeRO stages 1-3, in the unit :func:`plot_zero_memory` draws them
+    in (the largest total's decimal unit), with that unit's name."""
+    totals = [sum(model_state_formula(params, precision, zero=stage, dp=dp).values()) for stage in ZERO_STAGES]
+    scale, unit = byte_unit(max(totals))
+    return [total / scale for total in totals], unit
 
-    def draw(schedule: str, stages: int, microbatches: int, chunks: int, f: float, b: float, w: float) -> None:
+
+def zero_memory_explorer(params: float = 7.5e9, dp: int = 64, precision: str = "mixed") -> widgets.interactive:
+    """Sliders for the parameter count and the data-parallel degree, redrawing model-state memory per device for
+    each ZeRO stage and printing the totals the bars show (defaults: the ZeRO paper's Figure 1, 7.5B parameters
+    on 64 devices). ``result`` is the figure drawn."""
+
+    def draw(params_billions: float, dp: int, precision: str) -> plt.Figure:
+        fig = plot_zero_memory(params_billions * 1e9, dp, precision)
+        plt.show()
+        totals, unit = zero_totals(params_billions * 1e9, dp, precision)
+        shown = ", ".join(f"{name} {total:.1f}" for name, total in zip(STAGE_NAMES, totals, strict=True))
+        print(f"model states per device ({unit}): {shown}")
+        return fig
+
+    return widgets.interactive(
+        draw,
+        params_billions=billions_slider(params / 1e9),
+        dp=widgets.SelectionSlider(
+            options=_stops([2**k for k in range(11)], dp),
+            value=dp,
+            description="N (devices)",
+            continuous_update=False,
+            style=LABEL_STYLE,
+            layout=SLIDER_LAYOUT,
+        ),
+        # ipywidgets lays toggle buttons out under their label; the class of the other controls puts them beside it.
+        precision=widgets.ToggleButtons(
+            options=["mixed", "fp32"],
+            value=precision,
+            description="precision",
+            style={**LABEL_STYLE, "button_width": "7em"},
+        ).add_class("widget-inline-hbox"),
+    )
+
+
+def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int = 8) -> widgets.interactive:
+    """Pick a schedule, the number of stages, microbatches and chunks, and the cost of F, B and W: the simulated
+    timeline and its bubble are redrawn beside the paper's formula. Chunks are enabled for the interleaved schedule
+    only; W stays enabled for all, since a schedule that does not split the backward runs W inside B (B costs
+    B + W). ``result`` is the figure drawn, None if the sizes do not suit the schedule."""
+    from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, generate, simulate
+
+    def draw(
+        schedule: str, stages: int, microbatches: int, chunks: int, f: float, b: float, w: float
+    ) -> plt.Figure | None:
         chunks = chunks if schedule == "interleaved" else 1
         try:
             tables = generate(schedule, stages, microbatches, chunks, Costs(f, b, w))
         except ValueError as err:
             print(err)
-            return
+            return None
         sim = simulate(tables, Costs(f, b, w))
-        plot_schedule(sim, title=f"{schedule}, p={stages}, m={microbatches}" + (f", v={chunks}" if chunks > 1 else ""))
+        fig = plot_schedule(
+            sim, title=f"{schedule}, p={stages}, m={microbatches}" + (f", v={chunks}" if chunks > 1 else "")
+        )
         plt.show()
         formula = bubble_formula(schedule, stages, microbatches, chunks, Costs(f, b, w))
         print(
             f"bubble {sim.bubble_fraction:.4f}; the paper's formula: {formula:.4f}; "
             f"peak microbatches in flight per rank: {sim.peak_inflight}"
         )
+        return fig
 
-    slider = dict(continuous_update=False)
+    slider = dict(continuous_update=False, style=LABEL_STYLE, layout=SLIDER_LAYOUT)
+    choice = widgets.Dropdown(options=SCHEDULES, value=schedule, description="schedule", style=LABEL_STYLE)
+    chunks = widgets.IntSlider(value=2, min=2, max=4, description="chunks v", **slider)
+    widgets.dlink((choice, "value"), (chunks, "disabled"), lambda name: name != "interleaved")
     return widgets.interactive(
         draw,
-        schedule=widgets.Dropdown(options=["gpipe", "1f1b", "interleaved", "zb-h1"], value=schedule),
+        schedule=choice,
         stages=widgets.IntSlider(value=stages, min=1, max=8, description="stages p", **slider),
         microbatches=widgets.IntSlider(value=microbatches, min=1, max=16, description="microbatches m", **slider),
-        chunks=widgets.IntSlider(value=2, min=2, max=4, description="chunks v", **slider),
+        chunks=chunks,
         f=widgets.FloatSlider(value=1.0, min=0.25, max=3, step=0.25, description="F cost", **slider),
         b=widgets.FloatSlider(value=1.0, min=0.25, max=3, step=0.25, description="B cost", **slider),
-        w=widgets.FloatSlider(value=0.0, min=0.0, max=3, step=0.25, description="W cost", **slider),
+        w=widgets.FloatSlider(
+            value=0.0,
+            min=0.0,
+            max=3,
+            step=0.25,
+            description="W cost",
+            tooltip="the weight-gradient pass: its own action in zb-h1, part of B in the other schedules",
+            **slider,
+        ),
     )
 
 
@@ -87,15 +162,16 @@ def _plot_plan(result) -> plt.Figure:
 
 def planner_form(
     preset: str = "gpt3-175b", gpus: int = 1536, gpus_per_node: int = 8, gpu_mem_gb: float = 80
-) -> widgets.Widget:
+) -> widgets.interactive:
     """Pick a model (a preset, or a parameter count alone), the GPUs, GPUs per node and memory per GPU: the
     planner's choice (:func:`course_lib.plan.plan`) is printed with its reasons, beside memory bars of the chosen
-    layout and the next fitting ones."""
+    layout and the next fitting ones. The parameter count is enabled when the model is "parameter count" only.
+    ``result`` is the figure drawn, None if the planner refuses the inputs (if nothing fits, say; it prints why)."""
     from course_lib.plan import PRESETS, describe, plan
 
     def draw(
         model: str, params_billions: float, gpus: int, gpus_per_node: int, gpu_mem_gb: float, no_tp_pp: bool
-    ) -> None:
+    ) -> plt.Figure | None:
         try:
             result = plan(
                 model if model in PRESETS else params_billions * 1e9,
@@ -106,25 +182,29 @@ def planner_form(
             )
         except ValueError as err:
             print(err)
-            return
+            return None
         print(
             f"{describe(result)}, {result.microbatches} microbatches; {result.memory_per_gpu_bytes / 1e9:.1f} GB "
             f"per GPU; bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s"
         )
-        _plot_plan(result)
+        fig = _plot_plan(result)
         plt.show()
         for reason in result.reasons:
             print("-", reason)
+        return fig
 
-    wide = dict(style={"description_width": "initial"})
+    labels = dict(style=LABEL_STYLE)
+    model = widgets.Dropdown(options=[*PRESETS, "parameter count"], value=preset, description="model", **labels)
+    params_billions = billions_slider(30, lowest=-1)
+    widgets.dlink((model, "value"), (params_billions, "disabled"), lambda name: name in PRESETS)
     return widgets.interactive(
         draw,
-        model=widgets.Dropdown(options=[*PRESETS, "parameter count"], value=preset, description="model"),
-        params_billions=widgets.FloatLogSlider(
-            value=30, base=10, min=-1, max=3, step=0.05, description="Ψ (billions)", continuous_update=False
+        model=model,
+        params_billions=params_billions,
+        gpus=widgets.BoundedIntText(value=gpus, min=1, max=65536, description="GPUs", **labels),
+        gpus_per_node=widgets.BoundedIntText(value=gpus_per_node, min=1, max=64, description="GPUs per node", **labels),
+        gpu_mem_gb=widgets.BoundedFloatText(value=gpu_mem_gb, min=1, max=1024, description="GB per GPU", **labels),
+        no_tp_pp=widgets.Checkbox(
+            value=False, description="no TP/PP (DP, ZeRO, FSDP only)", layout={"width": "auto"}, **labels
         ),
-        gpus=widgets.BoundedIntText(value=gpus, min=1, max=65536, description="GPUs", **wide),
-        gpus_per_node=widgets.BoundedIntText(value=gpus_per_node, min=1, max=64, description="GPUs per node", **wide),
-        gpu_mem_gb=widgets.BoundedFloatText(value=gpu_mem_gb, min=1, max=1024, description="GB per GPU", **wide),
-        no_tp_pp=widgets.Checkbox(value=False, description="no TP/PP (DP, ZeRO, FSDP only)"),
     )

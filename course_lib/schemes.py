@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
@@ -439,10 +440,12 @@ def reference_run(cfg: GPTConfig, train: TrainConfig) -> TrainResult:
     """:func:`course_lib.models.train_reference` for this configuration, trained once per process and kept (treat
     the result as read-only). With local ranks it trains in a child of the rank server, which has torch's
     optimizer machinery imported already (importing it here would cost the first run two seconds); under torchrun,
-    in place."""
-    if launch.under_torchrun():
-        return train_reference(cfg, train)
-    return launch.run(train_reference, 1, cfg, train)[0]
+    on rank 0 alone, which sends it to the others (the scheme's run has set up their process group)."""
+    if not launch.under_torchrun():
+        return launch.run(train_reference, 1, cfg, train)[0]
+    result = [train_reference(cfg, train) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
 
 
 def run_scheme(

@@ -166,7 +166,7 @@ def returns_at_once():
 def test_ranks_that_return_at_once_never_break_a_peer_still_connecting():
     """gloo could finish one rank's connections before its peer's; a rank that then exited broke the peer's
     set-up (1 launch in 18 failed with "Connection closed by peer"). Ranks now start their function together."""
-    for _ in range(30):
+    for _ in range(15):  # 45 launches: all would pass with the old failure rate 1 time in 14
         for n in (2, 4, 8):
             assert list(launch.run(returns_at_once, n)) == list(range(n))
 
@@ -319,11 +319,10 @@ def test_a_torchrun_restart_comes_back(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = tmp_path / "fails_once.py"
     script.write_text(RESTARTS)
-    for _ in range(2):
-        done = subprocess.run(
-            [torchrun, "--nproc-per-node", "2", "--max-restarts", "1", str(script)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0 and "restarted and finished: [2.0, 2.0]" in done.stdout, done.stderr[-3000:]
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--max-restarts", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "restarted and finished: [2.0, 2.0]" in done.stdout, done.stderr[-3000:]

@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.installed-stamp
 .PHONY: lab demo test lint clean
 
 # (Re)create the virtual environment whenever the pinned dependencies change.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml jupyter-config/ipython_kernel_config.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[lab,test]"
+	mkdir -p $(VENV)/etc/ipython && cp jupyter-config/ipython_kernel_config.py $(VENV)/etc/ipython/
 	touch $(STAMP)
 
 # Root (containers, cloud boxes) must say so to Jupyter; everyone else opens the lab as usual.

@@ -204,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
+            in_process=world_size == 1 and args.scheme == "single" and not launch.under_torchrun(),
             **_limits(args),
             **_scheme_options(args),
         )

@@ -64,8 +64,9 @@ def warm() -> None:
 
 
 def warm_for(argv: list[str]) -> None:
-    """Warm the server when a command line is about to launch ranks (``run``, ``demo``)."""
-    if argv[:1] in (["run"], ["demo"]) and "--help" not in argv and "-h" not in argv:
+    """Warm the server when a command line is about to launch ranks (``run``, ``demo``; ``run single`` runs its
+    one rank in process)."""
+    if argv[:1] in (["run"], ["demo"]) and argv[1:2] != ["single"] and "--help" not in argv and "-h" not in argv:
         warm()
 
 

@@ -202,6 +202,25 @@ def run(
     return _run_local(fn, world_size, args, kwargs, backend, _Limits(timeout, stall_timeout), count_flops)
 
 
+def run_here(fn: Callable, *args, count_flops: bool = False, **kwargs) -> RunResult:
+    """Call ``fn`` as the one rank of a world of one, in this process: no process to start, so no wait for the
+    rank server (``run single`` on the command line). A rank that hangs here hangs the caller; use :func:`run` where
+    that matters."""
+    if _IN_RANK or dist.is_initialized():
+        raise RuntimeError("run_here() needs a process without a process group; call it from the top level")
+    started = time.perf_counter()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trace.reset(0, started)
+        comm.reset()
+        value = _call(fn, args, kwargs, count_flops)
+        return RunResult(
+            [value], [comm.records()], [trace.events()], [trace.program()], "gloo", time.perf_counter() - started
+        )
+    finally:
+        dist.destroy_process_group()
+
+
 def _call(fn, args, kwargs, count_flops: bool):
     with trace.FlopCounter() if count_flops else contextlib.nullcontext():
         return fn(*args, **kwargs)

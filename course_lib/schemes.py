@@ -460,31 +460,39 @@ def run_scheme(
     patch: tuple[str, str, Callable] | None = None,
     stall_timeout: float = 20.0,
     max_ranks: int | None = None,
+    in_process: bool = False,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster. ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
-    ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`."""
+    ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
+    one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing."""
     spec = validate(scheme, world_size, cfg, train, options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
     rank_fn = functools.partial(_patched, spec.rank_fn, patch) if patch else spec.rank_fn
-    result = launch.run(
-        rank_fn,
-        world_size,
-        cfg,
-        train,
-        backend=backend,
-        timeout=timeout,
-        stall_timeout=stall_timeout,
-        max_ranks=max_ranks,
-        count_flops=profile is not None,
-        **spec.fixed,
-        **options,
-    )
-    reference = reference_run(cfg, train)
+    if in_process:
+        if world_size != 1:
+            raise ValueError(f"in_process runs one rank, not {world_size}; use the launcher for more")
+        result = launch.run_here(rank_fn, cfg, train, count_flops=profile is not None, **spec.fixed, **options)
+        reference = train_reference(cfg, train)
+    else:
+        result = launch.run(
+            rank_fn,
+            world_size,
+            cfg,
+            train,
+            backend=backend,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            max_ranks=max_ranks,
+            count_flops=profile is not None,
+            **spec.fixed,
+            **options,
+        )
+        reference = reference_run(cfg, train)
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
     params = {}  # the union of what the ranks hold (a pipeline rank holds only its stages)

@@ -326,3 +326,16 @@ def test_a_result_that_cannot_be_written_still_reaches_standard_output(capsys):
     assert err.startswith("course-lib: could not write /dev/full (No space left on device); the JSON follows")
     data, _ = json.JSONDecoder().raw_decode(out)  # the JSON first, then the usual human lines
     assert data["bubble_fraction"] == pytest.approx(1 / 3)
+
+
+def test_run_single_starts_no_process(monkeypatch, capsys):
+    """One rank needs no launcher: it trains in this process, beside the reference, and matches it exactly."""
+    from course_lib import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("run single started a rank process")
+
+    monkeypatch.setattr(launch, "_run_local", refuse)
+    data = run_json(capsys, "run", "single", "--steps", "2")
+    assert data["world_size"] == 1 and data["max_abs_loss_diff"] == 0 and data["max_abs_param_diff"] == 0
+    assert data["ranks"][0]["memory"]["grads"] > 0 and data["ranks"][0]["wall_s"] > 0

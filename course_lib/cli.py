@@ -175,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise SystemExit(f"run 3d: --world-size {args.world_size} but --tp x --pp x --dp = {world_size}")
     elif args.world_size is not None:
         world_size = args.world_size
-    elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun: as many ranks as it started
+    elif launch.under_torchrun():  # as many ranks as torchrun started
         world_size = int(os.environ["WORLD_SIZE"])
     else:
         world_size = 1 if args.scheme == "single" else args.tp or 4

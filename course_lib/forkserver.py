@@ -54,10 +54,15 @@ def context() -> mp.context.BaseContext:
     return ctx
 
 
+def under_torchrun() -> bool:
+    """True in a process that torchrun started (RANK and WORLD_SIZE set): ranks run in place."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def warm() -> None:
     """Start the server now, in the background, so that the first launch does not wait for its imports. A no-op
     inside a rank or any other child process, and under torchrun (whose ranks run in place)."""
-    if mp.parent_process() is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if mp.parent_process() is not None or under_torchrun():
         return
     context()
     forkserver.ensure_running()

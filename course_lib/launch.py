@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, trace
-from course_lib.forkserver import RANK_NAME, context
+from course_lib.forkserver import RANK_NAME, context, under_torchrun
 
 STATUS_TEXT_BYTES = 200
 POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
@@ -138,11 +138,15 @@ def resolve_backend(backend: str, world_size: int) -> str:
 RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages beyond the forkserver's, generously
 
 
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def max_local_ranks() -> int:
     """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
     the available memory fits at :data:`RANK_MEMORY_BYTES` each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    by_cores = max(8, 4 * cores)
+    by_cores = max(8, 4 * _cores())
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
@@ -160,11 +164,6 @@ def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
             f"within the free memory at ~{RANK_MEMORY_BYTES // 2**20} MB a rank). Use fewer ranks, or raise the "
             "limit if you know better (max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
         )
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun started (RANK and WORLD_SIZE set): ranks run in place."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run(
@@ -333,8 +332,7 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
     handle, store_path = tempfile.mkstemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")
     os.close(handle)
     status = ctx.Array(_RankStatus, world_size, lock=False)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // world_size)
+    threads = max(1, _cores() // world_size)
     epoch = time.perf_counter()
     ranks: list[_RankState] = []
     try:

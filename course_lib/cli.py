@@ -93,12 +93,6 @@ def _train_config(args) -> TrainConfig:
     return TrainConfig(steps=args.steps, batch=_sizes(args)["batch"], seed=args.seed, dtype=args.dtype)
 
 
-def _pipeline_stages(args, world_size: int) -> int:
-    """How many pipeline stages (ranks x chunks) the run cuts the model into."""
-    stages = world_size if args.scheme == "pp" else (args.pp or 2) if args.scheme == "3d" else 1
-    return stages * (args.chunks or 1)
-
-
 # A modeled run's defaults: with the tiny GPT's (64 wide, 32 tokens, batch 8) an H100 computes a step in ~0.2 us,
 # invisible beside communication; at these sizes compute is about a tenth of a data-parallel step.
 MODELED_DEFAULTS = {"hidden": 256, "seq": 128, "batch": 32}
@@ -116,12 +110,12 @@ def _sizes(args) -> dict:
     }
 
 
-def _model_config(args, stages: int = 1) -> GPTConfig:
-    """The tiny GPT with the sizes given on the command line; by default 2 layers or one per pipeline stage if there
-    are more."""
+def _model_config(args, layers_needed: int = 1) -> GPTConfig:
+    """The tiny GPT with the sizes given on the command line; by default 2 layers, or as many as the scheme needs
+    (one per pipeline stage) if that is more."""
     sizes = _sizes(args)
     return GPTConfig(
-        layers=args.layers or max(GPTConfig().layers, stages),
+        layers=args.layers or max(GPTConfig().layers, layers_needed),
         d_model=sizes["hidden"],
         heads=args.heads or GPTConfig().heads,
         seq=sizes["seq"],
@@ -142,22 +136,82 @@ def _rank_table(report: dict) -> list[str]:
     return lines
 
 
-def _scheme_options(args) -> dict:
-    """Only the options given on the command line, so each scheme can refuse the ones it does not take."""
-    options = {
-        "bucket_mb": None if args.naive else args.bucket_mb,
-        "grad_accum": args.grad_accum,
-        "overlap": False if args.no_overlap else None,
-        "reshard_after_forward": False if args.no_reshard else None,
-        "schedule": args.schedule,
-        "microbatches": args.microbatches,
-        "chunks": args.chunks,
-    }
-    if args.scheme == "3d":
-        options |= {"tp": args.tp, "pp": args.pp, "dp": args.dp, "zero": args.zero, "sp": True if args.sp else None}
-    if args.naive and args.bucket_mb is not None:
-        raise SystemExit("run: --naive (one all-reduce per gradient) and --bucket-mb exclude each other")
-    return {k: v for k, v in options.items() if v is not None or (k == "bucket_mb" and args.naive)}
+def _scheme_settings(args, spec) -> tuple[dict, int | None]:
+    """The options of ``spec`` given on the command line (only those, so that each keeps its scheme's default), and
+    the world size a one-axis scheme's axis flag gave (``run tp --tp 4``). A flag the scheme does not take, or two
+    flags setting one option, end the run with a message."""
+    options, axis_size = {}, None
+    axis_flag = f"--{spec.axes[0]}" if len(spec.axes) == 1 else None
+    flags = {o.cli_flag: o for o in spec.options}
+    for flag, value in vars(args).items():
+        if not flag.startswith("--"):
+            continue
+        if flag == axis_flag:
+            axis_size = value
+        elif flag not in flags:
+            takes = ", ".join(sorted([*flags, *([axis_flag] if axis_flag else [])])) or "no options"
+            raise SystemExit(f"run {args.scheme}: {flag} is not a setting of {spec.name}; it takes {takes}")
+        elif flags[flag].name in options:
+            twins = " and ".join(f for f, o in flags.items() if o.name == flags[flag].name)
+            raise SystemExit(f"run {args.scheme}: {twins} both set {flags[flag].name}; give one of them")
+        else:
+            options[flags[flag].name] = value
+    return options, axis_size
+
+
+def _world_size(args, spec, settings: dict, axis_size: int | None) -> int:
+    """The number of ranks: fixed by a grid's axes (or 1 without axes), else ``--world-size`` or the scheme's axis
+    flag, else torchrun's world, else 4."""
+    from course_lib import launch
+
+    grid = spec.grid_size(settings)
+    if len(spec.axes) > 1:
+        if args.world_size not in (None, grid):
+            product = " x ".join(f"--{axis}" for axis in spec.axes)
+            raise SystemExit(f"run {args.scheme}: --world-size {args.world_size} but {product} = {grid}")
+        return grid
+    if None not in (args.world_size, axis_size) and args.world_size != axis_size:
+        raise SystemExit(
+            f"run {args.scheme}: --world-size {args.world_size} but --{spec.axes[0]} {axis_size}; both give the number "
+            f"of ranks of {spec.name}, give one"
+        )
+    if args.world_size or axis_size:
+        return args.world_size or axis_size
+    if launch.under_torchrun():  # as many ranks as torchrun started
+        return int(os.environ["WORLD_SIZE"])
+    return grid or 4
+
+
+def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
+    """One flag per option of any scheme (its help names the schemes that take it), and ``--<axis>`` for each
+    one-axis scheme's axis (``run tp --tp 4``: the number of ranks). A flag keeps its own name as its destination,
+    and one not given stays out of the namespace (see :func:`_scheme_settings`)."""
+    options: dict[str, object] = {}  # flag -> its Option (None: only an axis flag, a positive int)
+    helps: dict[str, dict[str, list[str]]] = {}  # flag -> help text -> schemes
+    for spec in schemes.values():
+        entries = [(o.cli_flag, o, o.help) for o in spec.options]
+        if len(spec.axes) == 1:
+            entries.append((f"--{spec.axes[0]}", None, "the number of ranks"))
+        for flag, option, text in entries:
+            known = options.get(flag)
+            if option is not None and known is not None and known != option:
+                raise RuntimeError(f"{flag}: two schemes define it differently ({known} and {option})")
+            options[flag] = option or known
+            helps.setdefault(flag, {}).setdefault(text, []).append(spec.name)
+    for flag, option in options.items():
+        text = "; ".join(f"{', '.join(names)}: {text}" for text, names in helps[flag].items())
+        metavar = flag.removeprefix("--").replace("-", "_").upper()
+        if option is not None and option.kind is None:
+            parser.add_argument(
+                flag, dest=flag, action="store_const", const=option.value, default=argparse.SUPPRESS, help=text
+            )
+        elif option is not None and option.choices:
+            parser.add_argument(
+                flag, dest=flag, type=option.kind, choices=option.choices, default=argparse.SUPPRESS, help=text
+            )
+        else:
+            parse = {int: _positive_int, float: _positive_float, str: str}[option.kind if option else int]
+            parser.add_argument(flag, dest=flag, type=parse, metavar=metavar, default=argparse.SUPPRESS, help=text)
 
 
 def _limits(args) -> dict:
@@ -167,35 +221,19 @@ def _limits(args) -> dict:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from course_lib import launch
-    from course_lib.schemes import run_scheme
+    from course_lib.schemes import ALIASES, SCHEMES, run_scheme
 
-    if args.scheme == "3d":
-        world_size = (args.tp or 2) * (args.pp or 2) * (args.dp or 2)
-        if args.world_size not in (None, world_size):
-            raise SystemExit(f"run 3d: --world-size {args.world_size} but --tp x --pp x --dp = {world_size}")
-    elif args.world_size is not None:
-        world_size = args.world_size
-    elif launch.under_torchrun():  # as many ranks as torchrun started
-        world_size = int(os.environ["WORLD_SIZE"])
-    else:
-        world_size = 1 if args.scheme == "single" else args.tp or 4
+    spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
+    options, axis_size = _scheme_settings(args, spec)
+    settings = spec.settings(options)
+    world_size = _world_size(args, spec, settings, axis_size)
     try:
         launch.check_world_size(world_size, args.max_ranks)
     except ValueError as err:
         raise SystemExit(f"run {args.scheme}: {err}") from None
-    if args.scheme != "3d" and (args.pp or args.dp or args.zero is not None or args.sp):
-        raise SystemExit(f"run {args.scheme}: --pp, --dp, --zero and --sp belong to a 3d run")
-    if (
-        args.tp is not None
-        and args.scheme not in ("3d",)
-        and (args.scheme not in ("tp", "sp") or args.tp != world_size)
-    ):
-        raise SystemExit(
-            f"run {args.scheme}: --tp {args.tp} is the tensor-parallel degree of tp and sp, whose ranks form one "
-            f"group (world size = tp); combining TP with other axes is what a 3D run does"
-        )
     try:
-        cfg, train = _model_config(args, _pipeline_stages(args, world_size)), _train_config(args)
+        layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
+        cfg, train = _model_config(args, layers_needed), _train_config(args)
         run = run_scheme(
             args.scheme,
             world_size,
@@ -204,9 +242,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
-            in_process=world_size == 1 and args.scheme == "single" and not launch.under_torchrun(),
+            in_process=world_size == 1 and not launch.under_torchrun(),
             **_limits(args),
-            **_scheme_options(args),
+            **options,
         )
     except ValueError as err:
         raise SystemExit(f"run {args.scheme}: {err}") from None
@@ -333,7 +371,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib.schemes import SCHEMES, run_scheme, validate
 
     train, cfg = _train_config(args), _model_config(args, args.world_size)
-    sizes = {name: 1 if spec.single_rank else 8 if name == "3d" else args.world_size for name, spec in SCHEMES.items()}
+    sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}
     try:  # every scheme checked before the first one runs
         for name, n in sizes.items():
             validate(name, n, cfg, train, {})
@@ -342,7 +380,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
     rows, reports = [], []
     started = time.perf_counter()
-    for name, n in sizes.items():  # 3d: a 2 x 2 x 2 grid
+    for name, n in sizes.items():  # single: 1 rank; 3d: its default 2 x 2 x 2 grid
         run = run_scheme(name, n, cfg, train, backend=args.backend, **_limits(args))
         reports.append(run.report)
         r0 = run.report["ranks"][0]
@@ -520,25 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
     run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
     run.add_argument("--world-size", type=_positive_int, help="number of ranks (default 4; 1 for single)")
-    run.add_argument(
-        "--tp", type=_positive_int, help="tp, sp: the tensor-parallel degree (the world size); 3d: TP size"
-    )
-    run.add_argument("--pp", type=_positive_int, help="3d: pipeline stages (default 2)")
-    run.add_argument("--dp", type=_positive_int, help="3d: data-parallel replicas (default 2)")
-    run.add_argument("--zero", type=int, choices=[0, 1], help="3d: ZeRO-1 over the data-parallel axis")
-    run.add_argument("--sp", action="store_true", help="3d: sequence parallel inside the TP groups")
-    run.add_argument(
-        "--bucket-mb", type=_positive_float, help="gradient bucket size in MB (dp, zero1, zero2; default 0.1)"
-    )
-    run.add_argument("--naive", action="store_true", help="dp: one all-reduce per gradient, after backward")
-    run.add_argument("--grad-accum", type=_positive_int, help="micro-batches per step, synced once (default 1)")
-    run.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
-    run.add_argument(
-        "--no-reshard", action="store_true", help="zero3: keep gathered parameters from forward to backward"
-    )
-    run.add_argument("--schedule", help="pp: gpipe, 1f1b (default), interleaved or zb-h1")
-    run.add_argument("--microbatches", type=_positive_int, help="pp: microbatches per step (default 4)")
-    run.add_argument("--chunks", type=_positive_int, help="pp, interleaved: model chunks per rank")
+    _scheme_flags(run, SCHEMES)
     run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
     run.add_argument(
         "--gpus-per-node", type=_positive_int, help="with --hardware: GPUs per node (default: the profile's)"

@@ -240,6 +240,14 @@ def model_state_formula(
     return {cat: BYTES_PER_PARAM[precision][cat] * per_rank / (dp if sharded[cat] else 1) for cat in CATEGORIES}
 
 
+def adamw_state_bytes(element_size: int, trainable: int, frozen: int = 0, tensors: int = 0) -> dict[str, int]:
+    """Model-state bytes of a rank that holds ``trainable`` and ``frozen`` elements whole, in ``tensors`` trainable
+    tensors, trained by AdamW: the parameters, a gradient per trainable element, two moments per trainable element
+    and a 4-byte step counter per trainable tensor (what the schemes' predictions start from)."""
+    e = element_size
+    return {"params": e * (trainable + frozen), "grads": e * trainable, "optimizer": 2 * e * trainable + 4 * tensors}
+
+
 RECOMPUTE = ("none", "selective", "full")
 
 

@@ -384,7 +384,7 @@ def plot_traffic(
 ) -> plt.Figure:
     """Per rank (named by ``labels``, default "rank r"), the ring bytes it sent in ``step`` (default: the last one
     recorded) stacked by process group: in a 3D run the axes tp, pp, embedding and dp. ``predicted`` (bytes by axis
-    per rank, such as :func:`course_lib.schemes.predict_axis_traffic`) is drawn hatched beside each bar."""
+    per rank, such as :func:`course_lib.parallel.three_d.predict_axis_traffic`) is drawn hatched beside each bar."""
     if step is None:
         step = max(r.tags["step"] for records in records_per_rank for r in records if "step" in r.tags)
     measured = [

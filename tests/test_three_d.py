@@ -7,7 +7,8 @@ import pytest
 from course_lib.hardware import replay
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.schemes import predict_axis_traffic, run_scheme
+from course_lib.parallel.three_d import predict_axis_traffic
+from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(layers=4)
 GRIDS = [

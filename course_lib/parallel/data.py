@@ -9,12 +9,13 @@ Distributed: Experiences on Accelerating Data Parallel Training", §3).
 * gradient accumulation (§3.2.4, ``no_sync``): inner micro-steps only accumulate local gradients; the last one syncs.
 
 Per step each rank sends 2(n-1)/n x (gradient bytes), however the gradients are grouped. This file also holds the
-training loop that the data-parallel family (here and in ``zero.py``) and tensor parallelism share.
+training loop every scheme shares (:func:`train_loop`), and the schemes ``single`` and ``dp``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -22,9 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.comm import Group
-from course_lib.memory import MemoryMeter
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
+from course_lib.comm import Group, ring_factor
+from course_lib.memory import MemoryMeter, adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.models import (
+    GPTConfig,
+    TinyGPT,
+    TrainConfig,
+    count_params,
+    final_params,
+    make_optimizer,
+    synthetic_tokens,
+)
+from course_lib.parallel.interface import Option, Scheme
 
 
 def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -179,6 +189,22 @@ def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [batch_shard(tokens, k, count) for k in range(count)]
 
 
+def accumulate(strategy: DataParallelStrategy, grad_accum: int, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """Forward and backward of a rank's batch in ``grad_accum`` micro-batches (loss scaled by 1/grad_accum, all but
+    the last under ``no_sync``); returns the batch's loss."""
+    device, loss_sum = launch.rank_device(), 0.0
+    pairs = zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True)
+    for k, (x, y) in enumerate(pairs):
+        quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
+        with quiet, trace.tags(microbatch=k):
+            with trace.span("forward"):
+                loss = strategy.model.loss(x.to(device), y.to(device)) / grad_accum
+            with trace.span("backward"):
+                loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
 def train_loop(
     strategy: DataParallelStrategy,
     cfg: GPTConfig,
@@ -187,34 +213,29 @@ def train_loop(
     measure_memory: bool = True,
     data_rank: int | None = None,
     data_size: int | None = None,
+    run_batch: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
 ) -> dict:
-    """Train ``strategy.model`` on this rank's share of each global batch; returns this rank's report.
+    """Train ``strategy.model`` on this rank's share of each global batch; returns this rank's report. Every scheme
+    trains through this one step body.
 
-    Each step: ``grad_accum`` micro-batches, forward and backward (loss scaled by 1/grad_accum, all but the last
-    under ``no_sync``), then the strategy's gradient sync, the optimizer step, and the strategy's parameter sync.
-    ``measure_memory`` runs the last step (the one reported) under a :class:`MemoryMeter`, whose per-operator
-    bookkeeping roughly doubles a CPU step; benchmarks turn it off. The batch is split over ``data_size``
-    data-parallel ranks (default: all ranks), this rank taking share ``data_rank``.
+    Each step: ``run_batch(tokens, targets)`` runs forward and backward of the rank's batch and returns its loss
+    (default: :func:`accumulate` over ``grad_accum`` micro-batches; a pipeline runs its schedule), then the
+    strategy's gradient sync, the optimizer step, and the strategy's parameter sync. ``measure_memory`` runs the
+    last step (the one reported) under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles a CPU
+    step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all ranks),
+    this rank taking share ``data_rank``.
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
-    device = launch.rank_device()
-    model, optimizer = strategy.model, strategy.optimizer
+    run_batch = run_batch or functools.partial(accumulate, strategy, grad_accum)
+    device, optimizer = launch.rank_device(), strategy.optimizer
     losses = []
     for step in range(train.steps):
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
-        micro = list(zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True))
-        step_loss = 0.0
-        meter = MemoryMeter(model, optimizer, device=device) if measure_memory and step == train.steps - 1 else None
+        metered = measure_memory and step == train.steps - 1  # the reported step
+        meter = MemoryMeter(strategy.model, optimizer, device=device) if metered else None
         with trace.tags(step=step), meter or contextlib.nullcontext():
-            for k, (x, y) in enumerate(micro):
-                quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
-                with quiet, trace.tags(microbatch=k):
-                    with trace.span("forward"):
-                        loss = model.loss(x.to(device), y.to(device)) / grad_accum
-                    with trace.span("backward"):
-                        loss.backward()
-                step_loss += loss.item()
+            losses.append(run_batch(tokens, targets))
             with trace.tags(phase="grad_sync"):
                 strategy.finish_gradients()
             with trace.span("optimizer"):
@@ -223,7 +244,6 @@ def train_loop(
             with trace.tags(phase="param_sync"):
                 strategy.after_optimizer_step()
             launch.sync(device)
-        losses.append(step_loss)
     return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
 
 
@@ -246,3 +266,85 @@ def train_data_parallel(
         strategy = BucketedAllReduce(model, optimizer, int(bucket_mb * 1e6), overlap)
     report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": final_params(model)}
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+BUCKET_MB = Option("bucket_mb", "gradient bucket size in MB (default 0.1)", float)
+NAIVE = Option("bucket_mb", "one all-reduce per gradient, after backward", flag="--naive", value=None)
+OVERLAP = Option("overlap", "communicate after backward, not during it", flag="--no-overlap", value=False)
+GRAD_ACCUM = Option("grad_accum", "micro-batches per step, their gradients synced once (default 1)", int)
+
+
+def check_batch_split(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
+    """Every rank needs an equal share of the batch, in ``grad_accum`` equal micro-batches, and buckets a size."""
+    bucket_mb, accum = o.get("bucket_mb"), o["grad_accum"]
+    if bucket_mb is not None and not bucket_mb > 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_mb} MB; try 0.1 (or 25, PyTorch DDP's default)")
+    if accum < 1:
+        raise ValueError(f"grad_accum must be at least 1, got {accum}")
+    if world_size > train.batch:
+        raise ValueError(
+            f"world size {world_size} is larger than the global batch of {train.batch} sequences: some ranks would "
+            f"get no data. Use a batch of at least {world_size} or fewer ranks."
+        )
+    if train.batch % (world_size * accum):
+        raise ValueError(
+            f"the global batch of {train.batch} sequences does not split evenly over {world_size} data-parallel "
+            f"ranks x {accum} micro-batches; use a batch that is a multiple of {world_size * accum}"
+        )
+
+
+def check_single(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
+    if world_size != 1:
+        raise ValueError(f"scheme 'single' runs on one rank; pass world size 1, not {world_size}")
+    check_batch_split(world_size, cfg, train, o)
+
+
+def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> int:
+    """Saved activations of one micro-batch of this rank's share of the batch
+    (:func:`course_lib.memory.tiny_gpt_activation_bytes`)."""
+    micro = train.batch // (world_size * o["grad_accum"])
+    return tiny_gpt_activation_bytes(cfg, micro, train.torch_dtype.itemsize)["total"]
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Every rank holds the whole model: with e bytes per element, P trainable and F frozen parameters in T
+    trainable tensors, eP + eF of parameters, eP of gradients and 2eP + 4T of AdamW state; and the activations of
+    one micro-batch."""
+    model = TinyGPT(cfg, dtype=train.torch_dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    row = adamw_state_bytes(train.torch_dtype.itemsize, sum(p.numel() for p in trainable), frozen, len(trainable))
+    row["activations"] = activation_bytes(world_size, cfg, train, o)
+    return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Each rank all-reduces every gradient once per step, 2(n-1)/n x eP bytes, however they are bucketed."""
+    if world_size == 1:
+        return [{}]  # one data-parallel rank has nothing to synchronise
+    e = train.torch_dtype.itemsize
+    sent = ring_factor("all_reduce", world_size) * e * count_params(TinyGPT(cfg))
+    return [{"all_reduce": sent} for _ in range(world_size)]
+
+
+SCHEMES = (
+    Scheme(
+        "single",
+        "one rank, the whole batch: the baseline",
+        train_data_parallel,
+        check_single,
+        predict_memory,
+        predict_comm,
+        axes=(),
+    ),
+    Scheme(
+        "dp",
+        "replicate the model, split the batch, all-reduce gradients",
+        train_data_parallel,
+        check_batch_split,
+        predict_memory,
+        predict_comm,
+        (BUCKET_MB, NAIVE, OVERLAP, GRAD_ACCUM),
+    ),
+)

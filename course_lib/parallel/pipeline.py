@@ -12,18 +12,21 @@ step is the one-device step on the whole batch.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.comm import Group
-from course_lib.memory import MemoryMeter
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer, synthetic_tokens
-from course_lib.parallel.data import micro_batches
-from course_lib.parallel.schedules import Action, generate
+from course_lib.comm import Group, ring_factor
+from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
+from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
+from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.schedules import Action, bubble_formula, default_costs, generate, simulate
+from course_lib.parallel.schedules import validate as validate_schedule
 
 
 def split_layers(layers: int, stages: int) -> list[range]:
@@ -181,6 +184,38 @@ def sum_tied_embedding(stages: dict[int, PipelineStage], group: Group) -> None:
         comm.all_reduce(holder.tok_emb.weight.grad, group=group)
 
 
+class PipelineSync(DataParallelStrategy):
+    """What a pipeline adds to the shared step (:func:`course_lib.parallel.data.train_loop`): after the schedule,
+    the tied embedding's gradient summed between the first and the last stage over their 2-rank group ``tied``."""
+
+    def __init__(
+        self, stages: dict[int, PipelineStage], optimizer: torch.optim.Optimizer, tied: Group, coords: dict
+    ) -> None:
+        super().__init__(nn.ModuleList(stages.values()), optimizer)
+        self.stages, self.tied, self.coords = stages, tied, coords
+
+    def finish_gradients(self) -> None:
+        sum_tied_embedding(self.stages, self.tied)
+
+
+def schedule_runner(
+    table: list[Action],
+    stages: dict[int, PipelineStage],
+    microbatches: int,
+    activation_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    peers: list[int] | None = None,
+    group: Group = None,
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The shared step's ``run_batch`` for a pipeline rank: run its table on the batch, return its losses' sum."""
+
+    def run_batch(tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        batch = (tokens, targets)
+        return sum(run_schedule(table, stages, batch, microbatches, activation_shape, dtype, peers, group))
+
+    return run_batch
+
+
 def train_pipeline(
     cfg: GPTConfig,
     train: TrainConfig,
@@ -193,29 +228,138 @@ def train_pipeline(
     rank, p = dist.get_rank(), dist.get_world_size()
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
     stages = build_stages(model, rank, p, chunks)
-    table = generate(schedule, p, microbatches, chunks)[rank]
-    held = nn.ModuleList(stages.values())
-    optimizer = make_optimizer(held.parameters(), train)
+    optimizer = make_optimizer(nn.ModuleList(stages.values()).parameters(), train)
     tied = comm.new_group([0, p - 1], "embedding") if p > 1 else None
+    strategy = PipelineSync(stages, optimizer, tied, {"pp": rank})
+    table = generate(schedule, p, microbatches, chunks)[rank]
     shape = (train.batch // microbatches, cfg.seq, cfg.d_model)
-    losses = []
-    for step in range(train.steps):
-        metered = measure_memory and step == train.steps - 1  # the reported step
-        meter = MemoryMeter(held, optimizer, device=launch.rank_device()) if metered else None
-        with trace.tags(step=step), meter or contextlib.nullcontext():
-            batch = synthetic_tokens(step, train.batch, cfg, train.seed)
-            step_losses = run_schedule(table, stages, batch, microbatches, shape, train.torch_dtype)
-            sum_tied_embedding(stages, tied)
-            with trace.span("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
-            launch.sync(launch.rank_device())
-        losses.append(sum(step_losses))
-    params = stage_params(stages)
+    run_batch = schedule_runner(table, stages, microbatches, shape, train.torch_dtype)
+    report = train_loop(
+        strategy, cfg, train, measure_memory=measure_memory, data_rank=0, data_size=1, run_batch=run_batch
+    )
     last = any(s.last for s in stages.values())
-    return {
-        "losses": losses if last else None,
-        "memory": meter.report().as_dict() if meter else None,
-        "coords": {"pp": rank},
-        "params": params,
+    return {**report, "losses": report["losses"] if last else None, "params": stage_params(stages)}
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+SCHEDULE = Option("schedule", "pipeline schedule: gpipe, 1f1b (default), interleaved or zb-h1", str)
+MICROBATCHES = Option("microbatches", "microbatches per step (default 4)", int)
+CHUNKS = Option("chunks", "model chunks per rank, for interleaved (default 1)", int)
+
+
+def check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
+    """The schedule exists for these sizes, every virtual stage gets a layer, the batch splits into microbatches."""
+    validate_schedule(o["schedule"], stages, o["microbatches"], o["chunks"])
+    split_layers(cfg.layers, stages * o["chunks"])
+    if batch % o["microbatches"]:
+        raise ValueError(f"the batch of {batch} sequences does not split into {o['microbatches']} equal microbatches")
+
+
+def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
+    check_pipeline(cfg, train.batch, world_size, o)
+
+
+@functools.lru_cache(maxsize=8)
+def stage_layout(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) -> list[dict[int, PipelineStage]]:
+    """Every pipeline rank's stages, cut from a one-device model (for the predictions; no ranks needed)."""
+    model = TinyGPT(cfg, dtype=train.torch_dtype)
+    ranges = split_layers(cfg.layers, p * chunks)
+    return [
+        {c: PipelineStage(model, c * p + r, p * chunks, ranges[c * p + r]) for c in range(chunks)} for r in range(p)
+    ]
+
+
+def reference_params(stages: dict[int, PipelineStage]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a rank's stages hold, each once (the tied embedding may sit in two), with their names."""
+    return list({id(q): (name, q) for s in stages.values() for name, q in s.reference_names().items()}.values())
+
+
+def activation_peaks(
+    cfg: GPTConfig, train: TrainConfig, p: int, o: dict, micro: int, tp: int | None = None, sp: bool = False
+) -> list[int]:
+    """Per pipeline rank, the peak of the activations its table keeps alive: a microbatch's, on a stage, from its F
+    to its last backward pass (B, or W when the table splits them); ``tp``, ``sp``: one tensor-parallel rank's."""
+    acts = tiny_gpt_activation_bytes(cfg, micro, train.torch_dtype.itemsize, tp=tp, sp=sp)
+    first_bytes = (8 if tp is None else 9) * micro * cfg.seq  # input token ids (and the vocabulary-parallel mask)
+    ends = {"first": first_bytes, "last": acts["outside_layers"] - first_bytes}
+    peaks = []
+    tables = generate(o["schedule"], p, o["microbatches"], o["chunks"])
+    for table, stages in zip(tables, stage_layout(cfg, train, p, o["chunks"]), strict=True):
+        per_mb = {
+            c: len(s.layers) * acts["per_layer"] + ends["first"] * s.first + ends["last"] * s.last
+            for c, s in stages.items()
+        }
+        split = any(a.kind == "W" for a in table)
+        live = peak = 0
+        for a in table:
+            if a.kind == "F":
+                live += per_mb[a.chunk]
+            elif a.kind == ("W" if split else "B"):
+                live -= per_mb[a.chunk]
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Per rank: AdamW's states of the stages it holds (:func:`course_lib.memory.adamw_state_bytes`) and the peak
+    of the activations its table keeps alive (:func:`activation_peaks`)."""
+    peaks = activation_peaks(cfg, train, world_size, o, train.batch // o["microbatches"])
+    rows = []
+    for stages, peak in zip(stage_layout(cfg, train, world_size, o["chunks"]), peaks, strict=True):
+        held = reference_params(stages)
+        trainable = [q for _, q in held if q.requires_grad]
+        frozen = sum(q.numel() for _, q in held if not q.requires_grad)
+        e, numel = train.torch_dtype.itemsize, sum(q.numel() for q in trainable)
+        states = adamw_state_bytes(e, numel, frozen, len(trainable))
+        rows.append(states | {"activations": peak})
+    return rows
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Each rank sends one activation (F) or gradient (B) of (b/m) x s x h elements per send in its table, and the
+    first and last ranks all-reduce the tied embedding's gradient (V x h elements)."""
+    p, e, m = world_size, train.torch_dtype.itemsize, o["microbatches"]
+    message = e * (train.batch // m) * cfg.seq * cfg.d_model
+    rows = []
+    for r, table in enumerate(generate(o["schedule"], p, m, o["chunks"])):
+        sends = sum(a.kind.startswith("SEND") for a in table)
+        row = {"send": float(sends * message), "recv": 0.0} if sends else {}
+        if p > 1 and r in (0, p - 1):
+            row["all_reduce"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model
+        rows.append(row)
+    return rows
+
+
+def pipeline_report(p: int, o: dict) -> dict:
+    """The report's ``pipeline`` entry: the schedule's settings and its plan with equal F and B costs (and W = F
+    when it splits the backward), beside the formula; ``bubble_fraction`` is the plan's."""
+    settings = {k: o[k] for k in ("schedule", "microbatches", "chunks")}
+    costs = default_costs(o["schedule"])
+    plan = simulate(generate(o["schedule"], p, o["microbatches"], o["chunks"]), costs)
+    entry = settings | {
+        "planned_bubble_fraction": plan.bubble_fraction,
+        "formula_bubble_fraction": bubble_formula(o["schedule"], p, o["microbatches"], o["chunks"], costs),
+        "peak_inflight": plan.peak_inflight,
     }
+    return {"pipeline": entry, "bubble_fraction": plan.bubble_fraction}
+
+
+def describe(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> dict:
+    return pipeline_report(world_size, o)
+
+
+SCHEMES = (
+    Scheme(
+        "pp",
+        "pipeline parallel: split the layers into stages, stream microbatches through them",
+        train_pipeline,
+        validate,
+        predict_memory,
+        predict_comm,
+        (SCHEDULE, MICROBATCHES, CHUNKS),
+        axes=("pp",),
+        describe=describe,
+        layers_needed=lambda world_size, o: world_size * o["chunks"],
+    ),
+)

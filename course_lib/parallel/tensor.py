@@ -17,15 +17,20 @@ shards with three small all-reduces (max, target logit, sum of exponentials), ne
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.comm import Group
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
+from course_lib.comm import Group, ring_factor
+from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
+from course_lib.parallel.interface import Scheme
 
 
 def _direction(ctx, direction: str):
@@ -377,3 +382,54 @@ def train_tensor_parallel(cfg: GPTConfig, train: TrainConfig, sp: bool = False, 
     strategy = TensorParallelStrategy(model, train)
     report = train_loop(strategy, cfg, train, measure_memory=measure_memory, data_rank=0, data_size=1)
     return {**report, "params": model.full_params()}
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+def shard_shape(name: str, param: torch.Tensor, t: int) -> tuple[int, ...]:
+    """The shape of a tensor-parallel rank's shard of the one-device parameter ``name``."""
+    shape = list(param.shape)
+    split = sharding(name)
+    if split in ("rows", "heads"):
+        shape[0] //= t
+    elif split == "columns":
+        shape[1] //= t
+    return tuple(shape)
+
+
+def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
+    check_tensor_parallel(cfg, world_size, o["sp"])
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """A rank holds 1/t of every split matrix (and of the vocabulary), LayerNorms and row-parallel biases whole,
+    with AdamW's states for them, and the activations of the whole batch as
+    :func:`course_lib.memory.tiny_gpt_activation_bytes` counts them for one rank of t (and under SP)."""
+    model, e = TinyGPT(cfg), train.torch_dtype.itemsize
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    held = sum(math.prod(shard_shape(name, p, world_size)) for name, p in trainable)
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    row = adamw_state_bytes(e, held, frozen, len(trainable))
+    row["activations"] = tiny_gpt_activation_bytes(cfg, train.batch, e, tp=world_size, sp=o["sp"])["total"]
+    return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Every collective of :func:`collectives_per_step` in ring accounting, and under SP the all-reduce of the
+    sequence-parallel gradients (:func:`sequence_parallel_grad_bytes`)."""
+    e, t, row = train.torch_dtype.itemsize, world_size, {}
+    for *_, op, nbytes in collectives_per_step(cfg, train.batch, e, o["sp"]):
+        row[op] = row.get(op, 0.0) + ring_factor(op, t) * nbytes
+    if o["sp"]:
+        row["all_reduce"] += ring_factor("all_reduce", t) * sequence_parallel_grad_bytes(cfg, e, cfg.layers)
+    return [dict(row) for _ in range(world_size)]
+
+
+def _scheme(name: str, summary: str, sp: bool) -> Scheme:
+    train = functools.partial(train_tensor_parallel, sp=sp)
+    return Scheme(name, summary, train, validate, predict_memory, predict_comm, axes=("tp",))
+
+
+SCHEMES = (
+    _scheme("tp", "Megatron tensor parallel: split every layer's matmuls", sp=False),
+    _scheme("sp", "tensor + sequence parallel: shard the rest along the sequence", sp=True),
+)

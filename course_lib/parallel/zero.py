@@ -17,6 +17,7 @@ alone.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,17 +25,23 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.comm import Group
+from course_lib.comm import Group, ring_factor
 from course_lib.memory import resize_storage
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
 from course_lib.parallel.data import (
+    BUCKET_MB,
+    GRAD_ACCUM,
+    OVERLAP,
     DataParallelStrategy,
     ReadyGroups,
+    activation_bytes,
     backward_order,
+    check_batch_split,
     split_into_buckets,
     split_like,
     train_loop,
 )
+from course_lib.parallel.interface import Option, Scheme
 
 
 class FlatShard:
@@ -277,3 +284,59 @@ def flat_sizes(model: TinyGPT, n: int, stage: int, bucket_bytes: int) -> list[in
     """Padded element counts of the flat buffers a ZeRO stage lays out (for the predictions; no ranks needed)."""
     groups = fsdp_units(model) if stage == 3 else split_into_buckets(backward_order(model), bucket_bytes)
     return [FlatShard(g, n, 0).padded for g in groups]
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+RESHARD = Option(
+    "reshard_after_forward", "keep gathered parameters from forward to backward", flag="--no-reshard", value=False
+)
+
+
+def _flat_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[int]:
+    model = TinyGPT(cfg, dtype=train.torch_dtype)  # bucket boundaries depend on the element size
+    return flat_sizes(model, world_size, o["stage"], int(o["bucket_mb"] * 1e6))
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """With e bytes per element and the flat buffers padded to a multiple of n (Pad elements in k buffers), a rank
+    keeps 2e Pad/n + 4k of AdamW state (stage 1, §5.1), also only e Pad/n of gradients (stage 2, §5.2) and of
+    parameters (stage 3, §5.3; frozen parameters stay whole), and the activations of one micro-batch."""
+    sizes = _flat_sizes(world_size, cfg, train, o)
+    model = TinyGPT(cfg)
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    e, n, stage, pad = train.torch_dtype.itemsize, world_size, o["stage"], sum(sizes)
+    row = {
+        "params": e * (pad // n if stage >= 3 else pad) + e * frozen,
+        "grads": e * (pad // n if stage >= 2 else pad),
+        "optimizer": 2 * e * pad // n + 4 * len(sizes),
+        "activations": activation_bytes(world_size, cfg, train, o),
+    }
+    return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters, (n-1)/n x e Pad each
+    (stage 2 reduce-scatters every micro-batch); stage 3 all-gathers twice per micro-batch (forward and backward;
+    once without resharding after forward) and reduce-scatters once."""
+    n, k = world_size, o["grad_accum"]
+    if n == 1:
+        return [{}]
+    part = ring_factor("all_gather", n) * train.torch_dtype.itemsize * sum(_flat_sizes(n, cfg, train, o))
+    if o["stage"] == 3:
+        gathers = 2 if o["reshard_after_forward"] else 1
+        row = {"all_gather": gathers * k * part, "reduce_scatter": k * part}
+    else:
+        row = {"reduce_scatter": (k if o["stage"] == 2 else 1) * part, "all_gather": part}
+    return [dict(row) for _ in range(n)]
+
+
+def _scheme(stage: int, summary: str, options: tuple[Option, ...]) -> Scheme:
+    train = functools.partial(train_zero, stage=stage)
+    return Scheme(f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options)
+
+
+SCHEMES = (
+    _scheme(1, "ZeRO-1: shard the optimizer state", (BUCKET_MB, OVERLAP, GRAD_ACCUM)),
+    _scheme(2, "ZeRO-2: shard optimizer state and gradients", (BUCKET_MB, OVERLAP, GRAD_ACCUM)),
+    _scheme(3, "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs", (OVERLAP, GRAD_ACCUM, RESHARD)),
+)

@@ -5,7 +5,7 @@ Rank functions with the same signature and report as the course's schemes, so th
 ``tests/test_production.py``) can set our losses and parameters beside PyTorch's:
 
 * :func:`train_ddp`: ``torch.nn.parallel.DistributedDataParallel`` (Li et al. 2020), which buckets the gradients
-  (25 MiB by default) and all-reduces them from autograd hooks, as :class:`course_lib.parallel.data.BucketedAllReduce`.
+  (25 MiB by default) and all-reduces them from autograd hooks, as :class:`course_lib.parallel.data.DataParallel`.
 * :func:`train_fsdp2`: FSDP2, ``torch.distributed.fsdp.fully_shard`` (Zhao et al. 2023), one FSDP unit per
   transformer block and one for the root (embedding and final LayerNorm), as our ZeRO-3.
 * :func:`train_dtensor_tp`: tensor parallelism with DTensor (``torch.distributed.tensor.parallel``), Megatron's

@@ -150,7 +150,7 @@ def test_run_zero_stages_match_one_device(capsys, scheme):
 
 
 def test_run_flags_reach_the_scheme(capsys):
-    naive = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "1", "--naive")
+    naive = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "1", "--per-parameter", "--no-overlap")
     bucketed = run_json(capsys, "run", "dp", "--world-size", "2", "--steps", "1", "--bucket-mb", "1")
     accum = run_json(capsys, "run", "zero2", "--world-size", "2", "--steps", "1", "--grad-accum", "2")
     assert naive["ranks"][0]["comm"]["all_reduce"]["calls"] > bucketed["ranks"][0]["comm"]["all_reduce"]["calls"] == 1

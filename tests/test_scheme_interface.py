@@ -42,8 +42,8 @@ def test_a_new_scheme_is_on_the_command_line_with_its_options_and_checks(with_to
     report = json.loads(capsys.readouterr().out)
     assert report["scheme"] == "gather_dp" and report["options"] == {"grad_accum": 2}
     assert report["max_abs_loss_diff"] <= 1e-5
-    with pytest.raises(SystemExit, match="--naive is not a setting of gather_dp; it takes --dp, --grad-accum"):
-        cli.main(["run", "gather_dp", "--naive"])
+    with pytest.raises(SystemExit, match="--per-parameter is not a setting of gather_dp; it takes --dp, --grad-accum"):
+        cli.main(["run", "gather_dp", "--per-parameter"])
     with pytest.raises(SystemExit, match="does not split evenly over 3 data-parallel ranks"):
         cli.main(["run", "gather_dp", "--world-size", "3"])
 

@@ -9,7 +9,7 @@ from course_lib.parallel.zero import flat_sizes
 from course_lib.schemes import run_scheme
 
 VARIANTS = [
-    ("dp", {"bucket_mb": None}),  # naive: one all-reduce per gradient
+    ("dp", {"per_parameter": True, "overlap": False}),  # naive: one all-reduce per gradient, after backward
     ("dp", {}),  # bucketed, overlapped with backward
     ("dp", {"overlap": False, "grad_accum": 2}),
     ("zero1", {}),

@@ -10,13 +10,13 @@ from course_lib.source import Code, show_code
 
 
 def test_shows_the_current_source_under_its_file_and_lines():
-    code = show_code(data.BucketedAllReduce.finish_gradients)
-    lines, first = inspect.getsourcelines(data.BucketedAllReduce.finish_gradients)
+    code = show_code(data.DataParallel.finish_gradient_synchronization)
+    lines, first = inspect.getsourcelines(data.DataParallel.finish_gradient_synchronization)
     last = first + len(lines) - 1
-    header = f"# course_lib/parallel/data.py, lines {first}-{last}: BucketedAllReduce.finish_gradients"
+    header = f"# course_lib/parallel/data.py, lines {first}-{last}: DataParallel.finish_gradient_synchronization"
     assert code.where == (header,)
     assert code.text.splitlines()[0] == header
-    assert code.text.splitlines()[1] == "def finish_gradients(self) -> None:"  # dedented out of its class
+    assert code.text.splitlines()[1] == "def finish_gradient_synchronization(self) -> None:"  # dedented out of its class
     assert "handle.wait()" in code.text
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -87,27 +88,36 @@ def backward_order(model: nn.Module) -> list[nn.Parameter]:
 
 
 class ReadyGroups:
-    """Calls ``on_ready(i)`` during backward as soon as every parameter of ``groups[i]`` has its gradient.
+    """Calls ``on_ready(i)`` during backward as soon as every parameter of ``groups[i]`` has its gradient, and
+    remembers which parameters got one since the last :meth:`reset` (``arrived``, by ``id``).
 
     Built on ``register_post_accumulate_grad_hook``, which fires once a leaf's gradient for this backward is
     complete (a tied parameter's two uses are summed first). ``enabled = False`` silences it (``no_sync``).
     """
 
-    def __init__(self, groups: list[list[nn.Parameter]], on_ready: Callable[[int], None]) -> None:
-        self.groups = groups
+    def __init__(self, groups: list[list[nn.Parameter]], on_ready: Callable[[int], None] | None = None) -> None:
+        self.groups, self.on_ready = groups, on_ready
         self.enabled = True
+        self.arrived: set[int] = set()
         self._missing = [len(g) for g in groups]
         for i, group in enumerate(groups):
             for p in group:
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._arrived(i, on_ready))
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i, p))
 
-    def _arrived(self, i: int, on_ready: Callable[[int], None]) -> None:
+    def _arrived(self, i: int, p: nn.Parameter) -> None:
         if not self.enabled:
             return
+        self.arrived.add(id(p))
         self._missing[i] -= 1
         if self._missing[i] == 0:
             self._missing[i] = len(self.groups[i])
-            on_ready(i)
+            if self.on_ready is not None:
+                self.on_ready(i)
+
+    def reset(self) -> None:
+        """Forget this step's arrivals (after the gradients were synchronized, or a step was abandoned)."""
+        self.arrived.clear()
+        self._missing = [len(g) for g in self.groups]
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -141,47 +151,106 @@ class DataParallelStrategy:
         """After the update: every rank must hold the parameters the next forward needs."""
 
 
-class NaiveAllReduce(DataParallelStrategy):
-    """One blocking all-reduce per gradient, after backward."""
+def broadcast_from_first(module: nn.Module, group: Group = None) -> None:
+    """Copy the group's first rank's parameters and buffers to every rank of ``group`` (as DDP does when it wraps a
+    module), one broadcast per dtype, so that ranks that built their models differently start equal."""
+    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with trace.tags(phase="init"), torch.no_grad():
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            same = list({id(t): t for t in tensors if t.dtype == dtype}.values())  # a tied tensor once
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            comm.broadcast(flat, src, group)
+            for t, value in zip(same, split_like(flat, same), strict=True):
+                t.copy_(value)
 
-    def finish_gradients(self) -> None:
-        n = dist.get_world_size()
-        for p in backward_order(self.model):
-            comm.all_reduce(p.grad)
-            p.grad.div_(n)
 
+class DataParallel(nn.Module):
+    """Data parallelism around any module (Li et al. 2020, §3; PyTorch's ``DistributedDataParallel``).
 
-class BucketedAllReduce(DataParallelStrategy):
-    """DDP's scheme: all-reduce buckets of gradients, started from backward hooks when ``overlap`` is on."""
+    At construction rank 0's parameters and buffers are broadcast to the group. Gradients are all-reduced and
+    averaged in buckets of about ``bucket_mb`` megabytes (10^6 bytes; ``None``: one bucket for all), in backward
+    order, or with ``per_parameter`` one all-reduce per gradient (§3.2.1). With ``overlap`` a bucket's all-reduce
+    starts from a backward hook as soon as its last gradient exists (§3.2.2-3.2.3); otherwise all start after
+    backward. Call :meth:`finish_gradient_synchronization` after backward, before the optimizer step; inside
+    :meth:`no_sync` backward only accumulates (§3.2.4).
+
+    A trainable parameter that got no gradient in a step is an error naming it, unless ``find_unused_parameters``,
+    which counts its gradient as zero (and then starts every all-reduce after backward, in the same order on every
+    rank, since a rank cannot know during backward which gradients will never come).
+    """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int, overlap: bool = True
+        self,
+        module: nn.Module,
+        bucket_mb: float | None = 25.0,
+        per_parameter: bool = False,
+        overlap: bool = True,
+        find_unused_parameters: bool = False,
+        group: Group = None,
     ) -> None:
-        super().__init__(model, optimizer)
-        self.buckets = split_into_buckets(backward_order(model), bucket_bytes)
-        self.overlap = overlap
-        self._in_flight: list[tuple[int, torch.Tensor, comm.Handle]] = []
-        self.ready = ReadyGroups(self.buckets, self._launch) if overlap else None
+        super().__init__()
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket size must be positive or None (one bucket), got {bucket_mb} MB")
+        self.module, self.group = module, group
+        broadcast_from_first(module, group)
+        params = backward_order(module)
+        bucket_bytes = math.inf if bucket_mb is None else bucket_mb * 1e6
+        self.buckets = [[p] for p in params] if per_parameter else split_into_buckets(params, bucket_bytes)
+        self.find_unused_parameters = find_unused_parameters
+        self.overlap = overlap and not find_unused_parameters
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._in_flight: dict[int, tuple[torch.Tensor, comm.Handle]] = {}
+        self.ready = ReadyGroups(self.buckets, self._launch if self.overlap else None)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """Inner micro-steps of gradient accumulation: no all-reduce, gradients add up locally."""
+        return self.ready.paused()
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
         with trace.tags(bucket=i):
-            self._in_flight.append((i, flat, comm.all_reduce(flat, async_op=True)))
+            self._in_flight[i] = flat, comm.all_reduce(flat, group=self.group, async_op=True)
 
-    def no_sync(self):
-        return self.ready.paused() if self.ready is not None else contextlib.nullcontext()
-
-    def finish_gradients(self) -> None:
-        if not self.overlap:
-            for i in range(len(self.buckets)):
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce (starting those backward did not start) and average the gradients."""
+        missing = [p for bucket in self.buckets for p in bucket if id(p) not in self.ready.arrived]
+        self.ready.reset()
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._names.get(id(p), "?") for p in missing)
+            raise RuntimeError(
+                f"trainable parameter(s) {names} got no gradient in this step, so their buckets cannot be "
+                f"all-reduced. Make every trainable parameter take part in the loss, freeze the unused ones "
+                f"(requires_grad=False), or pass find_unused_parameters=True to count their gradients as zero."
+            )
+        for p in missing:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for i in range(len(self.buckets)):
+            if i not in self._in_flight:
                 self._launch(i)
-        n = dist.get_world_size()
-        for i, flat, handle in self._in_flight:
+        n = dist.get_world_size(self.group)
+        for i in sorted(self._in_flight):
+            flat, handle = self._in_flight[i]
             handle.wait()
             flat.div_(n)
             for p, averaged in zip(self.buckets[i], split_like(flat, self.buckets[i]), strict=True):
                 p.grad.copy_(averaged)
-        self._in_flight = []
+        self._in_flight = {}
+
+
+class Replicated(DataParallelStrategy):
+    """The shared step's hooks for a :class:`DataParallel` model: accumulation under its ``no_sync``, its
+    gradient synchronization after backward."""
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def finish_gradients(self) -> None:
+        self.model.finish_gradient_synchronization()
 
 
 def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -198,7 +267,7 @@ def accumulate(strategy: DataParallelStrategy, grad_accum: int, tokens: torch.Te
         quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
         with quiet, trace.tags(microbatch=k):
             with trace.span("forward"):
-                loss = strategy.model.loss(x.to(device), y.to(device)) / grad_accum
+                loss = strategy.model(x.to(device), y.to(device)) / grad_accum
             with trace.span("backward"):
                 loss.backward()
         loss_sum += loss.item()
@@ -251,26 +320,27 @@ def train_data_parallel(
     cfg: GPTConfig,
     train: TrainConfig,
     bucket_mb: float | None = 0.1,
+    per_parameter: bool = False,
     overlap: bool = True,
     grad_accum: int = 1,
     measure_memory: bool = True,
 ) -> dict:
-    """Rank function: data parallel training of the tiny GPT. ``bucket_mb=None`` is the naive scheme."""
+    """Rank function: the tiny GPT in :class:`DataParallel` (one rank: trained as it is). ``per_parameter`` without
+    ``overlap`` is the naive scheme: one all-reduce per gradient, after backward."""
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    optimizer = make_optimizer(model.parameters(), train)
     if dist.get_world_size() == 1:
-        strategy = DataParallelStrategy(model, optimizer)
-    elif bucket_mb is None:
-        strategy = NaiveAllReduce(model, optimizer)
+        strategy = DataParallelStrategy(model, make_optimizer(model.parameters(), train))
     else:
-        strategy = BucketedAllReduce(model, optimizer, int(bucket_mb * 1e6), overlap)
+        ddp = DataParallel(model, bucket_mb, per_parameter, overlap)
+        strategy = Replicated(ddp, make_optimizer(ddp.parameters(), train))
     report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": final_params(model)}
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
 BUCKET_MB = Option("bucket_mb", "gradient bucket size in MB (default 0.1)", float)
-NAIVE = Option("bucket_mb", "one all-reduce per gradient, after backward", flag="--naive", value=None)
+ONE_BUCKET = Option("bucket_mb", "all gradients in one bucket", flag="--one-bucket", value=None)
+PER_PARAMETER = Option("per_parameter", "one all-reduce per gradient (with --no-overlap: the naive scheme)")
 OVERLAP = Option("overlap", "communicate after backward, not during it", flag="--no-overlap", value=False)
 GRAD_ACCUM = Option("grad_accum", "micro-batches per step, their gradients synced once (default 1)", int)
 
@@ -345,6 +415,6 @@ SCHEMES = (
         check_batch_split,
         predict_memory,
         predict_comm,
-        (BUCKET_MB, NAIVE, OVERLAP, GRAD_ACCUM),
+        (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM),
     ),
 )

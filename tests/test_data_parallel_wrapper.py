@@ -1,0 +1,155 @@
+"""DataParallel around a student's own model, tested as an outside assignment would (CS336-style): a toy model with
+frozen and tied parameters, every rank seeded differently before it builds the model, and after every step the
+parameters compared with training the same model on one process on the whole batch."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import launch
+from course_lib.parallel.data import DataParallel, batch_shard
+
+
+class ToyModel(nn.Module):
+    """An embedding tied to the output projection, an MLP with a frozen bias, and a frozen extra parameter."""
+
+    def __init__(self, vocab: int = 12, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+        self.fc2.bias.requires_grad_(False)
+        self.scale = nn.Parameter(torch.full((hidden,), 0.5), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale
+        logits = x @ self.embed.weight.T
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batches(steps: int, batch: int = 24, seq: int = 5):
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(12, (batch, seq), generator=gen), torch.randint(12, (batch, seq), generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def make_optimizer(name: str, params):
+    return torch.optim.SGD(params, lr=0.1) if name == "sgd" else torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def one_process(optimizer: str, steps: int) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = ToyModel().double()
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    history = []
+    for x, y in batches(steps):
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return history
+
+
+def data_parallel_run(optimizer: str, steps: int, ddp_kwargs: dict, accumulate: int = 1):
+    """Rank function: seeded by rank, wrapped, trained on this rank's rows; the parameters after every step."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0 if rank == 0 else 100 + rank)  # the wrapper must broadcast rank 0's weights
+    model = DataParallel(ToyModel().double(), **ddp_kwargs)
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    history = []
+    for x, y in batches(steps):
+        opt.zero_grad()
+        xs, ys = batch_shard(x, rank, n).chunk(accumulate), batch_shard(y, rank, n).chunk(accumulate)
+        for k, (xk, yk) in enumerate(zip(xs, ys, strict=True)):
+            with model.no_sync() if k < accumulate - 1 else torch.enable_grad():
+                (model(xk, yk) / accumulate).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+        history.append({k: v.detach().clone() for k, v in model.module.state_dict().items()})
+    return history, len(model.buckets)
+
+
+@pytest.mark.parametrize(
+    ("n", "optimizer", "ddp_kwargs", "accumulate", "buckets"),
+    [
+        (2, "sgd", {"bucket_mb": None}, 1, 1),  # one unbounded bucket
+        (3, "adamw", {"bucket_mb": 0.002}, 1, "several"),  # 2 kB: several buckets
+        (4, "adamw", {"per_parameter": True}, 2, 4),  # one per trainable tensor, with accumulation
+        (2, "adamw", {"bucket_mb": 0.002, "overlap": False}, 1, "several"),
+    ],
+    ids=["one-bucket-2", "buckets-3", "per-parameter-4", "after-backward-2"],
+)
+def test_every_step_matches_one_process(n, optimizer, ddp_kwargs, accumulate, buckets):
+    steps = 3
+    reference = one_process(optimizer, steps)
+    result = launch.run(data_parallel_run, n, optimizer, steps, ddp_kwargs, accumulate)
+    for history, made in result:
+        assert made == buckets if isinstance(buckets, int) else made > 1
+        for step, (mine, theirs) in enumerate(zip(history, reference, strict=True)):
+            for name in theirs:
+                assert torch.allclose(mine[name], theirs[name], rtol=1e-10, atol=1e-12), (step, name)
+
+
+def test_the_same_as_pytorchs_ddp():
+    def run(kind: str):
+        torch.manual_seed(0)
+        model = ToyModel().double()
+        if kind == "ours":
+            wrapped = DataParallel(model, bucket_mb=0.002)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=0.01)
+        rank, n = dist.get_rank(), dist.get_world_size()
+        for x, y in batches(3):
+            opt.zero_grad()
+            wrapped(batch_shard(x, rank, n), batch_shard(y, rank, n)).backward()
+            if kind == "ours":
+                wrapped.finish_gradient_synchronization()
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def both():
+        return run("ours"), run("torch")
+
+    for ours, theirs in launch.run(both, 2):
+        for name in theirs:
+            assert torch.allclose(ours[name], theirs[name], rtol=1e-12, atol=1e-14), name
+
+
+class Branchy(ToyModel):
+    """A parameter that takes part only on odd steps: the hazard PyTorch's DDP refuses loudly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(16, 16)
+        self.use_extra = False
+
+    def forward(self, tokens, targets):
+        loss = super().forward(tokens, targets)
+        return loss + self.extra.weight.sum() * 0.0 if self.use_extra else loss
+
+
+def branchy_run(find_unused: bool):
+    torch.manual_seed(0)
+    model = DataParallel(Branchy().double(), bucket_mb=0.002, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    model.finish_gradient_synchronization()
+    opt.step()
+    return float(model.module.extra.weight.grad.abs().sum())
+
+
+def test_a_parameter_without_gradient_is_an_error_naming_it():
+    with pytest.raises(launch.RankError, match=r"extra.bias, extra.weight got no gradient in this step"):
+        launch.run(branchy_run, 2, False)
+    assert list(launch.run(branchy_run, 2, True)) == [0.0, 0.0]  # counted as zero
+
+
+def test_bad_bucket_size_is_refused():
+    with pytest.raises(ValueError, match="bucket size must be positive or None"):
+        launch.run_here(lambda: DataParallel(ToyModel(), bucket_mb=0))

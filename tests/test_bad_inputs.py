@@ -48,7 +48,7 @@ BAD = (
         (["run", "dp", "--sp"], "--sp is not a setting of dp"),
         (["run", "dp", "--zero", "1"], "--zero is not a setting of dp"),
         (["run", "dp", "--zero", "2"], "invalid choice: 2"),
-        (["run", "dp", "--one-bucket", "--bucket-mb", "1"], "--bucket-mb and --one-bucket both set bucket_mb; give one"),
+        (["run", "dp", "--one-bucket", "--bucket-mb", "1"], "--bucket-mb and --one-bucket both set bucket_mb"),
         (["run", "zero3", "--bucket-mb", "1"], "--bucket-mb is not a setting of zero3"),
         (["run", "tp", "--grad-accum", "2"], "--grad-accum is not a setting of tp; it takes --tp"),
         (["run", "dp", "--schedule", "1f1b"], "--schedule is not a setting of dp"),

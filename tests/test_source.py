@@ -16,7 +16,8 @@ def test_shows_the_current_source_under_its_file_and_lines():
     header = f"# course_lib/parallel/data.py, lines {first}-{last}: DataParallel.finish_gradient_synchronization"
     assert code.where == (header,)
     assert code.text.splitlines()[0] == header
-    assert code.text.splitlines()[1] == "def finish_gradient_synchronization(self) -> None:"  # dedented out of its class
+    # dedented out of its class
+    assert code.text.splitlines()[1] == "def finish_gradient_synchronization(self) -> None:"
     assert "handle.wait()" in code.text
 
 

@@ -13,12 +13,20 @@ keeps its *sharded* input for backward and all-gathers it again there (§4.2.2),
 t. LayerNorm and output-bias gradients then cover only a rank's shard and are all-reduced over the group after
 backward. The embedding and the tied output head are split by vocabulary rows; the cross-entropy works on vocab
 shards with three small all-reduces (max, target logit, sum of exponentials), never gathering the logits.
+
+The same layers split a student's own model, with PyTorch's names: :func:`parallelize_module` replaces the
+``nn.Linear`` layers a plan names by :class:`ColumnParallelLinear` (``"colwise"``) and :class:`RowParallelLinear`
+(``"rowwise"``), each built by ``from_linear``; :func:`copy_to_tensor_parallel` and
+:func:`reduce_from_tensor_parallel` are f and g for hand-written regions; :func:`full_parameters` gathers the
+parameters whole again, to compare with one process.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,12 +56,17 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     return out
 
 
-def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """(b, s/t, h) on each rank -> (b, s, h): all-gather along the sequence."""
-    t = dist.get_world_size(group)
+def all_gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (one all-gather; no autograd)."""
+    t, dim = dist.get_world_size(group), dim % x.dim()
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
     comm.all_gather(out, x.detach().contiguous(), group=group)  # autograd is handled by the callers' Functions
-    return out.unflatten(0, (t, x.shape[0])).transpose(0, 1).flatten(1, 2)
+    return out.unflatten(0, (t, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s/t, h) on each rank -> (b, s, h): all-gather along the sequence."""
+    return all_gather_along(x, 1, group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -92,6 +105,51 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's f (§3, eq. 3 and Fig. 3): ``x`` unchanged forward, its gradient all-reduced over ``group``
+    backward. Apply it where a replicated activation enters a region split over the group (before the column-parallel
+    matmuls): each rank's backward sees only its share of the gradient, and f sums the shares."""
+    return CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's g (§3, Fig. 3), f's conjugate: the ranks' partial sums all-reduced forward, the gradient unchanged
+    backward. Apply it where a split region ends (after the row-parallel matmul, before the bias)."""
+    return ReduceFromTensorParallel.apply(x, group)
+
+
+class GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather the last dimension (a column-parallel output made whole) forward; keep this rank's slice of the
+    gradient backward (Megatron's gather_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        _remember_layer(ctx)
+        with _direction(ctx, "forward"):
+            return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shard(grad, -1, dist.get_rank(ctx.group), dist.get_world_size(ctx.group)), None
+
+
+class ScatterToTensorParallel(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension (a whole input split for a row-parallel linear) forward;
+    all-gather the gradient backward (Megatron's scatter_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        _remember_layer(ctx)
+        return _shard(x, -1, dist.get_rank(group), dist.get_world_size(group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _direction(ctx, "backward"):
+            return all_gather_along(grad, -1, ctx.group), None
 
 
 class ReduceScatterToSequence(torch.autograd.Function):
@@ -139,35 +197,232 @@ def column_parallel_linear(
     """x W_r^T + b_r for this rank's output columns; x arrives whole (through f) or as sequence shards (SP)."""
     if sp:
         return GatherSequenceLinear.apply(x, weight, bias, group)
-    return F.linear(CopyToTensorParallel.apply(x, group), weight, bias)
+    return F.linear(copy_to_tensor_parallel(x, group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
-    """A linear layer holding this rank's output columns (rows of the weight)."""
+    """A linear layer holding this rank's output features, rows of the weight and entries of the bias (§3, eq. 3):
+    y_r = f(x) W_r^T + b_r, no communication forward. ``gather_output`` all-gathers the ranks' y_r into the whole y
+    (a drop-in ``nn.Linear``); without it the output stays split, for a row-parallel layer or local heads. ``sp``: the
+    input arrives as sequence shards (Korthikanti et al. §4.2.2), for the tiny GPT."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, sp: bool) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group = None,
+        sp: bool = False,
+        gather_output: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.gather_output = group, sp, gather_output
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: Group = None, gather_output: bool = False, sp: bool = False
+    ) -> ColumnParallelLinear:
+        """This rank's shard of ``linear``: weight rows and bias entries r*out/t .. (r+1)*out/t of rank r of t.
+
+        ``linear`` must be the same on every rank of ``group`` (built from one seed, or after
+        :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
+        """
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        _require_divides(t, "out_features of a column-parallel linear", linear.out_features)
+        with torch.no_grad():
+            shards = [None if p is None else _shard(p, 0, r, t) for p in (linear.weight, linear.bias)]
+        return _frozen_like(cls(*shards, group, sp, gather_output), linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sp)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sp)
+        return GatherFromTensorParallel.apply(y, self.group) if self.gather_output else y
+
+    def unshard(self) -> nn.Linear:
+        """The whole layer, its rows all-gathered (every rank of the group must call it)."""
+        bias = None if self.bias is None else _gather_param(self.bias, 0, self.group)
+        return _linear(_gather_param(self.weight, 0, self.group), bias, self)
+
+    def extra_repr(self) -> str:
+        out, inputs = self.weight.shape
+        return f"in_features={inputs}, out_features={out} of this rank, gather_output={self.gather_output}"
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r W_r^T (g: all-reduce, or reduce-scatter to sequence shards under SP), then + b."""
+    """A linear layer holding this rank's input features, columns of the weight (§3, eq. 3): y = g(sum over ranks of
+    x_r W_r^T) + b, g an all-reduce (or under ``sp`` a reduce-scatter to sequence shards), the bias whole and added
+    once, after the sum. The input x_r is this rank's features, as a column-parallel layer leaves them; with
+    ``input_is_parallel=False`` the layer takes the whole x and keeps its own slice."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Group, sp: bool) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group = None,
+        sp: bool = False,
+        input_is_parallel: bool = True,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
-        self.bias = nn.Parameter(bias.clone())
-        self.group, self.sp = group, sp
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self.group, self.sp, self.input_is_parallel = group, sp, input_is_parallel
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: Group = None, input_is_parallel: bool = True, sp: bool = False
+    ) -> RowParallelLinear:
+        """This rank's shard of ``linear``: weight columns r*in/t .. (r+1)*in/t of rank r of t, the bias whole.
+
+        ``linear`` must be the same on every rank of ``group`` (built from one seed, or after
+        :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
+        """
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        _require_divides(t, "in_features of a row-parallel linear", linear.in_features)
+        with torch.no_grad():
+            layer = cls(_shard(linear.weight, 1, r, t), linear.bias, group, sp, input_is_parallel)
+        return _frozen_like(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = ScatterToTensorParallel.apply(x, self.group)
         partial = F.linear(x, self.weight)
         reduce = ReduceScatterToSequence if self.sp else ReduceFromTensorParallel
-        return reduce.apply(partial, self.group) + self.bias
+        y = reduce.apply(partial, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def unshard(self) -> nn.Linear:
+        """The whole layer, its columns all-gathered (every rank of the group must call it)."""
+        return _linear(_gather_param(self.weight, 1, self.group), self.bias, self)
+
+    def extra_repr(self) -> str:
+        out, inputs = self.weight.shape
+        return f"in_features={inputs} of this rank, out_features={out}, input_is_parallel={self.input_is_parallel}"
+
+
+def _frozen_like(layer: nn.Module, linear: nn.Linear) -> nn.Module:
+    """``layer`` with each parameter's requires_grad as ``linear``'s parameter of the same name."""
+    for name, p in layer.named_parameters():
+        p.requires_grad_(getattr(linear, name).requires_grad)
+    return layer
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` holding copies of ``weight`` and ``bias`` (no random init), frozen where ``like`` is."""
+    out, inputs = weight.shape
+    linear = nn.utils.skip_init(nn.Linear, inputs, out, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return _frozen_like(linear, like)
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """A plan entry for :func:`parallelize_module` (PyTorch's ``ColwiseParallel``; the string ``"colwise"``): split
+    the ``nn.Linear`` by output features, :class:`ColumnParallelLinear`."""
+
+    gather_output: bool = False
+
+    def parallelize(self, linear: nn.Linear, group: Group) -> ColumnParallelLinear:
+        return ColumnParallelLinear.from_linear(linear, group, self.gather_output)
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """A plan entry for :func:`parallelize_module` (PyTorch's ``RowwiseParallel``; the string ``"rowwise"``): split
+    the ``nn.Linear`` by input features, :class:`RowParallelLinear`."""
+
+    input_is_parallel: bool = True
+
+    def parallelize(self, linear: nn.Linear, group: Group) -> RowParallelLinear:
+        return RowParallelLinear.from_linear(linear, group, self.input_is_parallel)
+
+
+Style = ColwiseParallel | RowwiseParallel
+STYLES: dict[str, Style] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+
+
+def parallelize_module(module: nn.Module, plan: Mapping[str, str | Style], group: Group = None) -> nn.Module:
+    """Split the ``nn.Linear`` layers that ``plan`` names over ``group``, in place, and return ``module``: PyTorch's
+    ``torch.distributed.tensor.parallel.parallelize_module`` with Megatron's layers (§3).
+
+    ``plan`` maps dotted submodule names (``"fc1"``, ``"layers.0.attn.q"``) to ``"colwise"``, ``"rowwise"``,
+    :class:`ColwiseParallel` or :class:`RowwiseParallel`. ``module`` must be the same on every rank (build it from one
+    seed, or call :func:`course_lib.parallel.data.broadcast_from_first` first; PyTorch's scatters rank 0's weights
+    instead); what the plan leaves alone stays replicated and trains as on one process. Each colwise layer
+    all-reduces its input's gradient in backward (f), each rowwise layer its output in forward (g). The forward must
+    accept the local shapes: a colwise output holds out_features / t features, so attention with colwise q, k, v runs
+    heads / t heads on each rank (infer the count: ``q.unflatten(-1, (-1, head_dim))``). Every entry is checked
+    before any layer is replaced.
+    """
+    modules = dict(module.named_modules())
+    linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+    styles = {name: _style(name, style) for name, style in plan.items()}
+    for name in styles:
+        target = modules.get(name) if name else None
+        if target is None:
+            raise ValueError(
+                f"plan entry {name!r} names no submodule of {type(module).__name__}; its nn.Linear layers are {linears}"
+            )
+        if not isinstance(target, nn.Linear):
+            inside = [n for n in linears if n.startswith(f"{name}.")]
+            raise ValueError(
+                f"plan entry {name!r} is a {type(target).__name__}, not an nn.Linear: only linear layers split by "
+                f"columns or rows. Name the nn.Linear layers inside it instead: {inside}"
+            )
+    _check_rowwise_inputs(styles, {name: modules[name] for name in styles})
+    layers = {}
+    for name, style in styles.items():
+        try:
+            layers[name] = style.parallelize(modules[name], group)
+        except ValueError as error:
+            raise ValueError(f"plan entry {name!r}: {error}") from None
+    for name, layer in layers.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent), leaf, layer)
+    return module
+
+
+def _style(name: str, style: object) -> Style:
+    if isinstance(style, Style):
+        return style
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]
+    raise ValueError(
+        f"plan entry {name!r} has style {style!r}; use 'colwise' or 'rowwise' (or course_lib's ColwiseParallel() "
+        "and RowwiseParallel(), not PyTorch's)"
+    )
+
+
+def _check_rowwise_inputs(styles: dict[str, Style], linears: dict[str, nn.Linear]) -> None:
+    """A rowwise layer that expects its input split must find a colwise layer in the plan whose (split) output has as
+    many features as it has inputs: a cheap check that it follows one."""
+    split = {
+        linears[name].out_features
+        for name, style in styles.items()
+        if isinstance(style, ColwiseParallel) and not style.gather_output
+    }
+    for name, style in styles.items():
+        if isinstance(style, RowwiseParallel) and style.input_is_parallel and linears[name].in_features not in split:
+            raise ValueError(
+                f"plan entry {name!r} is rowwise, so its input must arrive split by features, as the output of a "
+                f"colwise layer does, but no colwise layer in the plan has {linears[name].in_features} output "
+                f"features. Make the layer that feeds it colwise, or use RowwiseParallel(input_is_parallel=False) "
+                f"to have it split a whole input."
+            )
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole, under the names :meth:`nn.Module.named_parameters` gives on one process:
+    the tensor-parallel layers all-gather their shards (every rank of their group must call it)."""
+    parallel = (ColumnParallelLinear, RowParallelLinear)
+    whole = {prefix: m.unshard() for prefix, m in module.named_modules() if isinstance(m, parallel)}
+    full = {}
+    for name, p in module.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        full[name] = (getattr(whole[owner], leaf) if owner in whole else p).detach().cpu().clone()
+    return full
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -215,12 +470,10 @@ class TensorParallelGPT(TinyGPT):
                 attn, mlp = block.attn, block.mlp
                 heads = _shard(attn.qkv.weight.unflatten(0, (3, h)), 1, r, t).flatten(0, 1)  # [q_r; k_r; v_r]
                 attn.qkv = ColumnParallelLinear(heads, None, group, sp)
-                attn.proj = RowParallelLinear(_shard(attn.proj.weight, 1, r, t), attn.proj.bias, group, sp)
+                attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp=sp)
                 attn.heads = cfg.heads // t
-                mlp.fc1 = ColumnParallelLinear(
-                    _shard(mlp.fc1.weight, 0, r, t), _shard(mlp.fc1.bias, 0, r, t), group, sp
-                )
-                mlp.fc2 = RowParallelLinear(_shard(mlp.fc2.weight, 1, r, t), mlp.fc2.bias, group, sp)
+                mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
+                mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
 
     def _positions(self, seq: int) -> torch.Tensor:
         """The position embeddings of this rank's tokens: all of them, or its sequence shard under SP."""
@@ -257,11 +510,11 @@ def unshard(name: str, p: torch.Tensor, group: Group, hidden: int) -> torch.Tens
     """The whole parameter ``name`` from this rank's shard ``p`` (all-gathers over the tensor-parallel group)."""
     split, t = sharding(name), dist.get_world_size(group)
     if split == "rows":
-        full = _gather(p, group).flatten(0, 1)
+        full = _gather_param(p, 0, group)
     elif split == "columns":
-        full = _gather(p, group).permute(1, 0, 2).flatten(1, 2)
-    elif split == "heads":  # (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
-        full = _gather(p, group).unflatten(1, (3, hidden // t)).transpose(0, 1).flatten(0, 2)
+        full = _gather_param(p, 1, group)
+    elif split == "heads":  # [q_0; k_0; v_0; q_1; ...] -> (t, 3, h/t, h) -> (3, t, h/t, h) -> (3h, h)
+        full = _gather_param(p, 0, group).unflatten(0, (t, 3, hidden // t)).transpose(0, 1).flatten(0, 2)
     else:
         full = p.detach()
     return full.detach().cpu().clone()
@@ -340,12 +593,10 @@ def _shard(w: torch.Tensor, dim: int, r: int, t: int) -> torch.Tensor:
     return w.chunk(t, dim)[r].clone()
 
 
-def _gather(p: torch.Tensor, group: Group) -> torch.Tensor:
-    t = dist.get_world_size(group)
-    out = p.new_empty((t, *p.shape))
+def _gather_param(p: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """A parameter whole from its shards along ``dim`` (tagged as the run's final gathers)."""
     with trace.tags(phase="final"):
-        comm.all_gather(out.view(t * p.shape[0], *p.shape[1:]), p.detach().contiguous(), group=group)
-    return out
+        return all_gather_along(p, dim, group)
 
 
 def check_tensor_parallel(cfg: GPTConfig, tp: int, sp: bool) -> None:
@@ -356,11 +607,15 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, sp: bool) -> None:
     if sp:
         sizes["sequence length (sequence parallel)"] = cfg.seq
     for what, size in sizes.items():
-        if size % tp:
-            raise ValueError(
-                f"tensor-parallel degree {tp} does not divide the {what} = {size}: each rank must get an equal "
-                f"share. Use a degree that divides {size}."
-            )
+        _require_divides(tp, what, size)
+
+
+def _require_divides(tp: int, what: str, size: int) -> None:
+    if size % tp:
+        raise ValueError(
+            f"tensor-parallel degree {tp} does not divide the {what} = {size}: each rank must get an equal share. "
+            f"Use a degree that divides {size}."
+        )
 
 
 class TensorParallelStrategy(DataParallelStrategy):

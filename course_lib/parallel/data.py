@@ -154,7 +154,7 @@ class DataParallelStrategy:
 def broadcast_from_first(module: nn.Module, group: Group = None) -> None:
     """Copy the group's first rank's parameters and buffers to every rank of ``group`` (as DDP does when it wraps a
     module), one broadcast per dtype, so that ranks that built their models differently start equal."""
-    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    tensors = [*module.parameters(), *module.buffers()]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with trace.tags(phase="init"), torch.no_grad():
         for dtype in dict.fromkeys(t.dtype for t in tensors):

@@ -200,11 +200,37 @@ def column_parallel_linear(
     return F.linear(copy_to_tensor_parallel(x, group), weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What both Megatron linears share: this rank's ``weight`` shard and ``bias`` (its shard, or whole), the group,
+    and ``sp``; and cutting that shard from a whole ``nn.Linear`` along ``split_dim`` of its weight."""
+
+    split_dim: int  # 0: output features (rows), 1: input features (columns)
+    splits_bias: bool
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group = None, sp: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self.group, self.sp = group, sp
+
+    @classmethod
+    def _cut(cls, linear: nn.Linear, group: Group, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of ``linear``'s weight and bias; refuses a degree that does not divide ``what``."""
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        _require_divides(t, what, linear.weight.shape[cls.split_dim])
+        with torch.no_grad():
+            weight = _shard(linear.weight, cls.split_dim, r, t)
+            bias = _shard(linear.bias, 0, r, t) if cls.splits_bias and linear.bias is not None else linear.bias
+        return weight, bias
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """A linear layer holding this rank's output features, rows of the weight and entries of the bias (§3, eq. 3):
     y_r = f(x) W_r^T + b_r, no communication forward. ``gather_output`` all-gathers the ranks' y_r into the whole y
     (a drop-in ``nn.Linear``); without it the output stays split, for a row-parallel layer or local heads. ``sp``: the
     input arrives as sequence shards (Korthikanti et al. §4.2.2), for the tiny GPT."""
+
+    split_dim, splits_bias = 0, True
 
     def __init__(
         self,
@@ -214,10 +240,8 @@ class ColumnParallelLinear(nn.Module):
         sp: bool = False,
         gather_output: bool = False,
     ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.group, self.sp, self.gather_output = group, sp, gather_output
+        super().__init__(weight, bias, group, sp)
+        self.gather_output = gather_output
 
     @classmethod
     def from_linear(
@@ -228,11 +252,8 @@ class ColumnParallelLinear(nn.Module):
         ``linear`` must be the same on every rank of ``group`` (built from one seed, or after
         :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
         """
-        t, r = dist.get_world_size(group), dist.get_rank(group)
-        _require_divides(t, "out_features of a column-parallel linear", linear.out_features)
-        with torch.no_grad():
-            shards = [None if p is None else _shard(p, 0, r, t) for p in (linear.weight, linear.bias)]
-        return _frozen_like(cls(*shards, group, sp, gather_output), linear)
+        weight, bias = cls._cut(linear, group, "out_features of a column-parallel linear")
+        return _frozen_like(cls(weight, bias, group, sp, gather_output), linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sp)
@@ -248,11 +269,13 @@ class ColumnParallelLinear(nn.Module):
         return f"in_features={inputs}, out_features={out} of this rank, gather_output={self.gather_output}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """A linear layer holding this rank's input features, columns of the weight (§3, eq. 3): y = g(sum over ranks of
     x_r W_r^T) + b, g an all-reduce (or under ``sp`` a reduce-scatter to sequence shards), the bias whole and added
     once, after the sum. The input x_r is this rank's features, as a column-parallel layer leaves them; with
     ``input_is_parallel=False`` the layer takes the whole x and keeps its own slice."""
+
+    split_dim, splits_bias = 1, False
 
     def __init__(
         self,
@@ -262,10 +285,8 @@ class RowParallelLinear(nn.Module):
         sp: bool = False,
         input_is_parallel: bool = True,
     ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.group, self.sp, self.input_is_parallel = group, sp, input_is_parallel
+        super().__init__(weight, bias, group, sp)
+        self.input_is_parallel = input_is_parallel
 
     @classmethod
     def from_linear(
@@ -276,11 +297,8 @@ class RowParallelLinear(nn.Module):
         ``linear`` must be the same on every rank of ``group`` (built from one seed, or after
         :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
         """
-        t, r = dist.get_world_size(group), dist.get_rank(group)
-        _require_divides(t, "in_features of a row-parallel linear", linear.in_features)
-        with torch.no_grad():
-            layer = cls(_shard(linear.weight, 1, r, t), linear.bias, group, sp, input_is_parallel)
-        return _frozen_like(layer, linear)
+        weight, bias = cls._cut(linear, group, "in_features of a row-parallel linear")
+        return _frozen_like(cls(weight, bias, group, sp, input_is_parallel), linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -77,7 +77,10 @@ class GridSync(PipelineSync):
             all_reduce_grads(self.all_params, self.mesh.groups["dp"], average=True)
 
     def zero_grad(self) -> None:
-        self.sharded.zero_grad() if self.sharded else super().zero_grad()
+        if self.sharded:
+            self.sharded.zero_grad()
+        else:
+            super().zero_grad()
 
     def after_optimizer_step(self) -> None:
         if self.sharded:

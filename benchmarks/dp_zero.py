@@ -23,7 +23,7 @@ import statistics
 from course_lib import comm, launch
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
-from course_lib.parallel.zero import train_zero
+from course_lib.parallel.fsdp import train_fsdp
 from course_lib.production import train_ddp, train_fsdp2
 
 
@@ -102,7 +102,7 @@ def main() -> None:
             ("DDP", train_ddp, {"bucket_cap_mb": args.bucket_mb * 1e6 / 2**20}),
             1.10,
         ),
-        (("ZeRO-3", train_zero, {"stage": 3}), ("FSDP2", train_fsdp2, {}), 1.25),
+        (("ZeRO-3", train_fsdp, {}), ("FSDP2", train_fsdp2, {}), 1.25),
     ]
     print(f"{n} ranks ({launch.resolve_backend('auto', n)}), {cfg}, batch {train.batch}, median of steps {timed}")
     print(ROW.format("scheme", "step ms", "ours/pt", "target", "met", "bytes/rank/step", "max|dloss|"))

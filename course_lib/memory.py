@@ -49,18 +49,28 @@ def _unique_bytes(tensors) -> int:
     return sum(n for _, n in {_storage_key(t) for t in tensors if isinstance(t, torch.Tensor)})
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    """The optimizer and the local one it wraps, if any (``.optim``: a ZeRO optimizer's, as in PyTorch's)."""
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    inner = getattr(optimizer, "optim", None)
+    return [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [
+        v
+        for o in _optimizers(optimizer)
+        for state in o.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def _held_params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The model's parameters and the optimizer's (a sharded scheme's optimizer holds shards, not the model's)."""
     params = list(model.parameters()) if model is not None else []
-    if optimizer is not None:
-        params += [p for group in optimizer.param_groups for p in group["params"]]
-    return params
+    return params + [p for o in _optimizers(optimizer) for group in o.param_groups for p in group["params"]]
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

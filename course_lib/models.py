@@ -195,8 +195,12 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
 
 def make_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses."""
-    trainable = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, eps=train.adam_eps, foreach=False)
+    return torch.optim.AdamW([p for p in params if p.requires_grad], **optimizer_settings(train))
+
+
+def optimizer_settings(train: TrainConfig) -> dict:
+    """AdamW's keyword arguments in every scheme (one code path per step: ``foreach=False``)."""
+    return {"lr": train.lr, "weight_decay": train.weight_decay, "eps": train.adam_eps, "foreach": False}
 
 
 @dataclass

@@ -5,7 +5,8 @@ import pytest
 
 from course_lib.memory import CATEGORIES, model_state_formula
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params
-from course_lib.parallel.zero import flat_sizes
+from course_lib.parallel.fsdp import unit_sizes
+from course_lib.parallel.zero import gpt_bucket_sizes
 from course_lib.schemes import run_scheme
 
 VARIANTS = [
@@ -51,7 +52,12 @@ def padding(scheme: str, n: int) -> int:
     model = TinyGPT(GPTConfig())
     if scheme == "dp":
         return 0
-    return sum(flat_sizes(model, n, int(scheme[-1]), int(0.1e6))) - count_params(model)
+    return sum(_buffers(scheme, n)) - count_params(model)
+
+
+def _buffers(scheme: str, n: int) -> list[int]:
+    """The padded flat buffers of a ZeRO scheme: buckets of 0.1 MB at stages 1 and 2, FSDP's units at stage 3."""
+    return unit_sizes(TinyGPT(GPTConfig()), n) if scheme == "zero3" else gpt_bucket_sizes(GPTConfig(), n)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -69,17 +75,18 @@ def test_ring_bytes_per_step_are_the_papers_multiples_of_psi(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_model_states_follow_the_zero_paper(n):
     """The ZeRO paper's P_os, P_os+g, P_os+g+p in fp32 (params 4 Psi, grads 4 Psi, Adam 8 Psi, the sharded ones
-    divided by N), with Psi including the padding, plus the frozen embedding and Adam's 4-byte step counters."""
+    divided by N), with Psi including the padding, plus the frozen embedding and Adam's 4-byte step counters. The
+    one place Psi has no padding: stage 1's full gradients, which are the module's own .grad, not flat buffers."""
     cfg = GPTConfig()
     psi = count_params(TinyGPT(cfg))
     frozen_bytes = 4 * cfg.seq * cfg.d_model
     for stage in (1, 2, 3):
         run = run_scheme(f"zero{stage}", n, train=TrainConfig(steps=1))
-        buffers = len(flat_sizes(TinyGPT(cfg), n, stage, int(0.1e6)))
+        buffers = len(_buffers(f"zero{stage}", n))
         paper = model_state_formula(psi + padding(f"zero{stage}", n), "fp32", zero=stage, dp=n)
         for memory in (r["memory"] for r in run.report["ranks"]):
             assert memory["params"] == paper["params"] + frozen_bytes
-            assert memory["grads"] == paper["grads"]
+            assert memory["grads"] == (4 * psi if stage == 1 else paper["grads"])
             assert memory["optimizer"] == paper["optimizer"] + 4 * buffers
 
 

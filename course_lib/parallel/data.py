@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,10 @@ class ReadyGroups:
             if self.on_ready is not None:
                 self.on_ready(i)
 
+    def partly_arrived(self) -> set[int]:
+        """The groups some but not all of whose parameters got their gradient since the last call."""
+        return {i for i, missing in enumerate(self._missing) if missing != len(self.groups[i])}
+
     def reset(self) -> None:
         """Forget this step's arrivals (after the gradients were synchronized, or a step was abandoned)."""
         self.arrived.clear()
@@ -147,14 +151,12 @@ class DataParallelStrategy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
 
-    def after_optimizer_step(self) -> None:
-        """After the update: every rank must hold the parameters the next forward needs."""
 
-
-def broadcast_from_first(module: nn.Module, group: Group = None) -> None:
-    """Copy the group's first rank's parameters and buffers to every rank of ``group`` (as DDP does when it wraps a
-    module), one broadcast per dtype, so that ranks that built their models differently start equal."""
-    tensors = [*module.parameters(), *module.buffers()]
+def broadcast_from_first(module: nn.Module | Iterable[torch.Tensor], group: Group = None) -> None:
+    """Copy the group's first rank's parameters and buffers of ``module`` (or the ``tensors``) to every rank of
+    ``group`` (as DDP does when it wraps a module), one broadcast per dtype, so that ranks that built their models
+    differently start equal."""
+    tensors = [*module.parameters(), *module.buffers()] if isinstance(module, nn.Module) else list(module)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with trace.tags(phase="init"), torch.no_grad():
         for dtype in dict.fromkeys(t.dtype for t in tensors):
@@ -163,6 +165,15 @@ def broadcast_from_first(module: nn.Module, group: Group = None) -> None:
             comm.broadcast(flat, src, group)
             for t, value in zip(same, split_like(flat, same), strict=True):
                 t.copy_(value)
+
+
+def no_gradient_error(names: list[str], consequence: str, remedy: str) -> RuntimeError:
+    """The error of a wrapper that met trainable parameters without a gradient (PyTorch's DDP refuses them too)."""
+    return RuntimeError(
+        f"trainable parameter(s) {', '.join(dict.fromkeys(names))} got no gradient in this step, so {consequence}. "
+        f"Make every trainable parameter take part in the loss, freeze the unused ones (requires_grad=False), or "
+        f"{remedy}."
+    )
 
 
 class DataParallel(nn.Module):
@@ -220,11 +231,10 @@ class DataParallel(nn.Module):
         missing = [p for bucket in self.buckets for p in bucket if id(p) not in self.ready.arrived]
         self.ready.reset()
         if missing and not self.find_unused_parameters:
-            names = ", ".join(self._names.get(id(p), "?") for p in missing)
-            raise RuntimeError(
-                f"trainable parameter(s) {names} got no gradient in this step, so their buckets cannot be "
-                f"all-reduced. Make every trainable parameter take part in the loss, freeze the unused ones "
-                f"(requires_grad=False), or pass find_unused_parameters=True to count their gradients as zero."
+            raise no_gradient_error(
+                [self._names.get(id(p), "?") for p in missing],
+                "their buckets cannot be all-reduced",
+                "pass find_unused_parameters=True to count their gradients as zero",
             )
         for p in missing:
             if p.grad is None:
@@ -289,7 +299,8 @@ def train_loop(
 
     Each step: ``run_batch(tokens, targets)`` runs forward and backward of the rank's batch and returns its loss
     (default: :func:`accumulate` over ``grad_accum`` micro-batches; a pipeline runs its schedule), then the
-    strategy's gradient sync, the optimizer step, and the strategy's parameter sync. ``measure_memory`` runs the
+    strategy's gradient sync and the optimizer step (a ZeRO optimizer's all-gathers the parameters after it, in the
+    ``param_sync`` phase) with the strategy's ``zero_grad``. ``measure_memory`` runs the
     last step (the one reported) under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles a CPU
     step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all ranks),
     this rank taking share ``data_rank``.
@@ -310,8 +321,6 @@ def train_loop(
             with trace.span("optimizer"):
                 optimizer.step()
                 strategy.zero_grad()
-            with trace.tags(phase="param_sync"):
-                strategy.after_optimizer_step()
             launch.sync(device)
     return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
 

@@ -20,8 +20,8 @@ from course_lib import comm, launch
 from course_lib.comm import ring_factor
 from course_lib.memory import adamw_state_bytes
 from course_lib.mesh import AXES, Mesh, axis_groups, build_mesh, check_sizes, coords_of
-from course_lib.models import GPTConfig, TrainConfig, make_optimizer
-from course_lib.parallel.data import all_reduce_grads, split_into_buckets, train_loop
+from course_lib.models import GPTConfig, TrainConfig, make_optimizer, optimizer_settings
+from course_lib.parallel.data import all_reduce_grads, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.pipeline import (
     CHUNKS,
@@ -47,44 +47,43 @@ from course_lib.parallel.tensor import (
     shard_shape,
     unshard,
 )
-from course_lib.parallel.zero import FlatShard, ShardedOptimizer
+from course_lib.parallel.zero import ZeroRedundancyOptimizer, flat_sizes
 
-ZERO1_BUCKET_BYTES = int(0.1e6)  # ZeRO-1's flat buffers over the data-parallel axis
+ZERO1_BUCKET_MB = 0.1  # ZeRO-1's flat buffers over the data-parallel axis
 
 
 class GridSync(PipelineSync):
     """What a 3D rank does after its schedule: under SP, sum the sequence-parallel gradients over TP; sum the tied
     embedding's gradient between the first and the last stage; average every gradient over DP, or with ``zero``
-    reduce-scatter them to ZeRO-1 shards (and all-gather the updated parameters after the step)."""
+    reduce-scatter them to ZeRO-1 slices (whose step all-gathers the updated parameters)."""
 
     def __init__(self, stages: dict[int, PipelineStage], train: TrainConfig, mesh: Mesh, tied, sp: bool, zero: int):
         held = nn.ModuleList(stages.values())
-        self.sharded = None
         if zero:  # ZeRO-1 over the data-parallel axis; the parameters become views into its flat buffers
-            self.sharded = ShardedOptimizer(held, train, 1, ZERO1_BUCKET_BYTES, overlap=False, group=mesh.groups["dp"])
-        optimizer = self.sharded.optimizer if self.sharded else make_optimizer(held.parameters(), train)
+            trainable = [p for p in held.parameters() if p.requires_grad]
+            optimizer = ZeroRedundancyOptimizer(
+                trainable,
+                torch.optim.AdamW,
+                1,
+                bucket_mb=ZERO1_BUCKET_MB,
+                overlap=False,
+                group=mesh.groups["dp"],
+                **optimizer_settings(train),
+            )
+        else:
+            optimizer = make_optimizer(held.parameters(), train)
         super().__init__(stages, optimizer, tied, {axis: mesh.coords[axis] for axis in AXES})
-        self.mesh, self.sp = mesh, sp
+        self.mesh, self.sp, self.zero = mesh, sp, zero
         self.sp_params, self.all_params = sequence_parallel_params(held), list(held.parameters())
 
     def finish_gradients(self) -> None:
         if self.sp:
             all_reduce_grads(self.sp_params, self.mesh.groups["tp"])
         super().finish_gradients()
-        if self.sharded:
-            self.sharded.finish_gradients()
+        if self.zero:
+            self.optimizer.finish_gradient_synchronization()
         else:
             all_reduce_grads(self.all_params, self.mesh.groups["dp"], average=True)
-
-    def zero_grad(self) -> None:
-        if self.sharded:
-            self.sharded.zero_grad()
-        else:
-            super().zero_grad()
-
-    def after_optimizer_step(self) -> None:
-        if self.sharded:
-            self.sharded.after_optimizer_step()
 
 
 def train_3d(
@@ -163,16 +162,16 @@ def _trainable_shards(stages: dict[int, PipelineStage], t: int) -> list[tuple[in
 
 
 def _zero1_padded(shapes: list[tuple[int, ...]], dtype: torch.dtype, dp: int) -> list[int]:
-    """Padded sizes of ZeRO-1's flat buffers over a rank's trainable shards (bucketed in backward order)."""
-    shards = [torch.empty(shape, dtype=dtype, device="meta") for shape in reversed(shapes)]
-    return [FlatShard(b, dp, 0).padded for b in split_into_buckets(shards, ZERO1_BUCKET_BYTES)]
+    """Padded sizes of ZeRO-1's flat buffers over a rank's trainable shards."""
+    shards = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+    return flat_sizes(shards, dp, ZERO1_BUCKET_MB * 1e6)
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """A rank holds its tensor-parallel shard of each tensor of its stages with AdamW's states for them, or with
-    ``zero`` 1 ZeRO-1's padded flat buffers (Pad elements in k buffers): full parameters and gradients, 2e Pad/dp of
-    AdamW moments and a 4-byte step counter per buffer; and the activation peak of its pipeline table for
-    microbatches of b/(d m) sequences, as one rank of its tensor-parallel group keeps them."""
+    ``zero`` 1 ZeRO-1's padded flat buffers (Pad elements in k buffers): full parameters (views into the buffers)
+    and gradients, 2e Pad/dp of AdamW moments and a 4-byte step counter per buffer; and the activation peak of its
+    pipeline table for microbatches of b/(d m) sequences, as one rank of its tensor-parallel group keeps them."""
     sizes = check_sizes(world_size, tp=o["tp"], pp=o["pp"], dp=o["dp"])
     e, t, d = train.torch_dtype.itemsize, o["tp"], o["dp"]
     micro = train.batch // (d * o["microbatches"])
@@ -183,7 +182,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
         frozen = sum(q.numel() for _, q in reference_params(stages) if not q.requires_grad)
         if o["zero"]:
             pad = _zero1_padded(shapes, train.torch_dtype, d)
-            states = {"params": e * (sum(pad) + frozen), "grads": e * sum(pad)}
+            states = {"params": e * (sum(pad) + frozen), "grads": e * sum(math.prod(shape) for shape in shapes)}
             states["optimizer"] = 2 * e * sum(pad) // d + 4 * len(pad)
         else:
             states = adamw_state_bytes(e, sum(math.prod(shape) for shape in shapes), frozen, len(shapes))

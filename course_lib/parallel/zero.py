@@ -1,24 +1,26 @@
-"""ZeRO: shard what data parallelism replicates (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", §5; stage 3 is PyTorch's FSDP, Zhao et al. 2023).
+"""ZeRO stages 1 and 2: shard what data parallelism replicates (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", §5.1-5.2), as an optimizer around any module's parameters.
 
-Parameters are laid end to end in flat buffers padded to a multiple of the n ranks; rank r owns slice r of each
-buffer and keeps the optimizer state (and, from stage 2, the gradients; at stage 3, the parameters) of that slice
-alone.
+Trainable parameters are laid end to end in flat buffers (buckets, in backward order) padded to a multiple of the n
+ranks; the module's parameters become views into them. Rank r owns slice r of each buffer and keeps the optimizer
+state of that slice alone, so it updates only its slice; the updated slices are then all-gathered into every rank's
+full buffers, which are the parameters.
 
-* Stage 1, P_os (§5.1): full gradients are reduce-scattered bucket by bucket; each rank updates its slice with its
-  own Adam state; the updated slices are all-gathered. Bytes per rank: (n-1)/n x 2 x Psi x b, as plain DP.
-* Stage 2, P_os+g (§5.2): as in stage 1 the reduce-scatter of a bucket starts from a backward hook as soon as its
-  gradients exist, but the full gradients are then dropped; a rank keeps only its gradient slice. Same bytes.
-* Stage 3, P_os+g+p (§5.3): parameters are sharded per unit (each transformer block, and one unit for the
-  embedding and final LayerNorm); a unit's parameters are all-gathered before its forward, freed after, gathered
-  again before its backward, and its gradients reduce-scattered; the next unit's gather is started early
-  (prefetch) so that it overlaps compute. Bytes: (n-1)/n x 3 x Psi x b, 1.5x plain DP.
+* Stage 1, P_os (§5.1): each bucket's gradients are reduce-scattered (from a backward hook as soon as they exist,
+  or after backward) and averaged into the rank's slice; the full gradients stay as the module's ``.grad``.
+  Bytes per rank: (n-1)/n x 2 x Psi x b, as plain DP (a reduce-scatter and an all-gather instead of an all-reduce).
+* Stage 2, P_os+g (§5.2): the same reduce-scatter, after which the full gradients are dropped: a rank keeps only
+  its gradient slice. Same bytes.
+
+Stage 3, P_os+g+p, shards the parameters too: :mod:`course_lib.parallel.fsdp`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,22 +28,23 @@ from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import resize_storage
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, optimizer_settings
 from course_lib.parallel.data import (
     BUCKET_MB,
     GRAD_ACCUM,
+    ONE_BUCKET,
     OVERLAP,
     DataParallelStrategy,
     ReadyGroups,
     activation_bytes,
-    backward_order,
+    broadcast_from_first,
     check_batch_split,
+    no_gradient_error,
     split_into_buckets,
     split_like,
     train_loop,
 )
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 
 
 class FlatShard:
@@ -64,250 +67,279 @@ class FlatShard:
             p.data = view
 
 
-def _accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 or 2 around any ``torch.optim`` optimizer (Rajbhandari et al. 2020, §5.1-5.2); the name and the
+    first two arguments are those of PyTorch's ``ZeroRedundancyOptimizer``, so that one can replace the other.
 
+    ``ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`` broadcasts rank 0's values of the
+    parameters it is given (frozen ones too; the module's buffers, and parameters it is not given, are not its to
+    copy: seed every rank alike or wrap the module in DataParallel), lays the trainable ones of each parameter group
+    into flat buffers of about ``bucket_mb`` megabytes (``None``: one per group and dtype) and builds
+    ``optimizer_class(slices, **defaults)`` over this rank's slices (``.optim``).
+    ``param_groups`` are the module's parameters with their hyperparameters, copied to ``.optim`` at every step,
+    so learning-rate schedulers work as usual. Pass ``model.named_parameters()`` and errors name the parameters.
 
-class ShardedOptimizer(DataParallelStrategy):
-    """ZeRO stages 1 and 2: full parameters on every rank, optimizer state (and at stage 2 gradients) sharded."""
+    ``average_gradients`` (default): each bucket's gradients are reduce-scattered and averaged over ``group``,
+    from a backward hook as soon as they exist (``overlap``) or at :meth:`step`; use :meth:`no_sync` for the inner
+    micro-steps of gradient accumulation at stage 1. Without it the gradients must already be averaged (by
+    :class:`course_lib.parallel.data.DataParallel`, as PyTorch's version expects from DDP): each rank only takes its
+    slice of them, and only the optimizer state is sharded.
+
+    Stage 1 keeps the full gradients as the parameters' ``.grad``, so every way of zeroing them (this optimizer's
+    ``zero_grad``, the module's, with or without ``set_to_none``) behaves as in plain PyTorch. Stage 2 drops them once
+    reduced and keeps only the slice; :meth:`step` consumes that slice, so gradients never carry over from one step
+    to the next whichever ``zero_grad`` is called (or none). A trainable parameter without a gradient at the
+    reduction is an error naming it: a sharded optimizer cannot skip part of a slice as a plain one skips a
+    parameter whose ``.grad`` is ``None``. :meth:`state_dict` is this rank's slice of the state; each rank saves
+    and loads its own.
+    """
 
     def __init__(
-        self, model: nn.Module, train: TrainConfig, stage: int, bucket_bytes: int, overlap: bool, group: Group = None
+        self,
+        params: Iterable,
+        optimizer_class: type[torch.optim.Optimizer],
+        stage: int = 1,
+        average_gradients: bool = True,
+        bucket_mb: float | None = 25.0,
+        overlap: bool = True,
+        group: Group = None,
+        **defaults,
     ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer shards stage 1 or 2, not {stage}; stage 3 is FullyShardedDataParallel"
+            )
+        if stage == 2 and not average_gradients:
+            raise ValueError(
+                "stage 2 keeps only this rank's slice of the gradients, which the reduce-scatter makes; with "
+                "average_gradients=False the full averaged gradients already exist, so use stage 1"
+            )
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket size must be positive or None (one bucket), got {bucket_mb} MB")
+        super().__init__(params, defaults)
+        self.stage, self.average_gradients, self.group = stage, average_gradients, group
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.stage, self.overlap, self.group = stage, overlap, group
-        self.flats = [FlatShard(b, n, rank) for b in split_into_buckets(backward_order(model), bucket_bytes)]
-        self.full = []  # the full parameter buffer of each bucket; the model's parameters are views into it
-        self.shards = []  # this rank's slice of each buffer, as the parameters the optimizer updates
-        self.full_grads = []  # stage 1: full gradient buffers, the model's .grad are views into them
-        for flat in self.flats:
-            buffer = flat.flatten([p.detach() for p in flat.params])
-            flat.view_params_into(buffer)
-            self.full.append(buffer)
-            self.shards.append(nn.Parameter(buffer[flat.lo : flat.hi]))
-            if stage == 1:
-                grads = torch.zeros_like(buffer)
-                for p, g in zip(flat.params, split_like(grads, flat.params), strict=True):
-                    p.grad = g
-                self.shards[-1].grad = grads[flat.lo : flat.hi]
-                self.full_grads.append(grads)
-        super().__init__(model, make_optimizer(self.shards, train))
+        self._names: dict[int, str] = {}
+        self.buckets: list[FlatShard] = []
+        self._full: list[torch.Tensor] = []  # each bucket's flat parameter buffer; the parameters are views into it
+        self._slices: list[nn.Parameter] = []  # this rank's slice of each buffer, what .optim updates
+        inner_groups = []
+        for g, param_group in enumerate(self.param_groups):
+            names = param_group.get("param_names") or [None] * len(param_group["params"])
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            for j, (p, name) in enumerate(zip(param_group["params"], names, strict=True)):
+                self._names[id(p)] = name or f"param_groups[{g}]['params'][{j}] of shape {tuple(p.shape)}"
+            if average_gradients:
+                broadcast_from_first(param_group["params"], group)
+            first = len(self.buckets)
+            for dtype in dict.fromkeys(p.dtype for p in trainable):
+                same = [p for p in reversed(trainable) if p.dtype == dtype]  # backward order
+                bucket_bytes = math.inf if bucket_mb is None else bucket_mb * 1e6
+                for params in split_into_buckets(same, bucket_bytes):
+                    bucket = FlatShard(params, n, rank)
+                    full = bucket.flatten([p.detach() for p in params])
+                    bucket.view_params_into(full)
+                    self.buckets.append(bucket)
+                    self._full.append(full)
+                    self._slices.append(nn.Parameter(full[bucket.lo : bucket.hi]))
+            hyper = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+            inner_groups.append({**hyper, "params": self._slices[first:]})
+        self.optim = optimizer_class(inner_groups, **defaults)
+        self.defaults = self.optim.defaults
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the inner optimizer's defaults too
         self._in_flight: list[tuple[int, torch.Tensor, comm.Handle]] = []
-        self.ready = ReadyGroups([f.params for f in self.flats], self._reduce_scatter)
-        self.ready.enabled = overlap
+        self._reduced: set[int] = set()  # buckets reduce-scattered since the last step
+        self._synchronized = False  # the slices' gradients are set for the coming step
+        self.ready = None
+        if average_gradients and (overlap or stage == 2):  # stage 2 also needs to know which gradients came
+            self.ready = ReadyGroups([b.params for b in self.buckets], self._reduce_scatter if overlap else None)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "optim"):
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer lays out its flat buffers when it is built; pass every parameter group then"
+            )
+        super().add_param_group(param_group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inner micro-steps of gradient accumulation: at stage 1 gradients add up locally and are reduced once;
+        stage 2 keeps no full gradients to add up, so it reduces every micro-step (nothing changes)."""
+        with self.ready.paused() if self.ready is not None and self.stage == 1 else contextlib.nullcontext():
+            yield
 
     def _reduce_scatter(self, i: int) -> None:
-        flat = self.flats[i]
-        grads = self.full_grads[i] if self.stage == 1 else flat.flatten([p.grad for p in flat.params])
-        out = grads.new_empty(flat.shard_numel)
-        with trace.tags(bucket=i):
-            self._in_flight.append((i, out, comm.reduce_scatter(out, grads, group=self.group, async_op=True)))
+        """Start summing bucket ``i``'s gradients into this rank's slice (at stage 2 the full ones are dropped)."""
+        bucket = self.buckets[i]
+        arrived = self.ready.arrived if self.ready is not None and self.stage == 2 else None
+        missing = [p for p in bucket.params if p.grad is None and (arrived is None or id(p) not in arrived)]
+        if missing:
+            raise no_gradient_error(
+                [self._names[id(p)] for p in missing],
+                "their slices cannot be reduce-scattered",
+                "at stage 1, zero gradients with zero_grad(set_to_none=False) so that theirs count as zero",
+            )
+        flat = bucket.flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in bucket.params])
         if self.stage == 2:
-            for p in flat.params:
-                p.grad = None  # the full gradient is no longer needed: only the slice is kept
+            for p in bucket.params:
+                p.grad = None
+        out = flat.new_empty(bucket.shard_numel)
+        with trace.tags(bucket=i):
+            self._in_flight.append((i, out, comm.reduce_scatter(out, flat, group=self.group, async_op=True)))
+        self._reduced.add(i)
 
-    def no_sync(self):
-        # Stage 1 keeps full gradients, so inner micro-steps can just accumulate them; stage 2 keeps only slices,
-        # so it must reduce-scatter every micro-step.
-        return self.ready.paused() if self.stage == 1 else super().no_sync()
-
-    def finish_gradients(self) -> None:
-        if not self.overlap:
-            for i in range(len(self.flats)):
+    def finish_gradient_synchronization(self) -> None:
+        """Reduce-scatter every bucket backward did not (or did only in part), wait, and set each slice's gradient
+        to the average (stage 2: add it). Without ``average_gradients``: take each slice of the averaged gradients.
+        :meth:`step` calls it; call it yourself to see the slices' gradients before stepping."""
+        if not self.average_gradients:
+            for bucket, shard in zip(self.buckets, self._slices, strict=True):
+                missing = [p for p in bucket.params if p.grad is None]
+                if missing:
+                    raise no_gradient_error(
+                        [self._names[id(p)] for p in missing],
+                        "this rank cannot take their slice",
+                        "count their gradients as zero (DataParallel(find_unused_parameters=True) does)",
+                    )
+                shard.grad = bucket.flatten([p.grad for p in bucket.params])[bucket.lo : bucket.hi].clone()
+            self._synchronized = True
+            return
+        partial = self.ready.partly_arrived() if self.ready is not None else set()
+        for i in range(len(self.buckets)):
+            if i not in self._reduced or i in partial:
                 self._reduce_scatter(i)
+        if self.ready is not None:
+            self.ready.reset()
         n = dist.get_world_size(self.group)
         for i, out, handle in self._in_flight:
             handle.wait()
-            out.div_(n)
-            if self.stage == 1:
-                self.shards[i].grad.copy_(out)
-            else:
-                _accumulate_grad(self.shards[i], out)
+            grad, shard = out.div_(n), self._slices[i]
+            shard.grad = grad if self.stage == 1 or shard.grad is None else shard.grad.add_(grad)
         self._in_flight = []
+        self._synchronized = True
 
-    def zero_grad(self) -> None:
-        for grads in self.full_grads:
-            grads.zero_()
-        self.optimizer.zero_grad(set_to_none=False)
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish the gradients' reduction, update this rank's slices with ``.optim``, all-gather the slices into
+        every rank's parameters; the slices' gradients are consumed."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_parameters_in_place()
+        if not self._synchronized:
+            self.finish_gradient_synchronization()
+        self._reduced, self._synchronized = set(), False
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        self.optim.step()
+        for shard in self._slices:
+            if self.stage == 1:
+                shard.grad = None  # the full gradients are the module's .grad
+            elif shard.grad is not None:
+                shard.grad.zero_()  # stage 2 keeps its slice's buffer for the next step
+        with trace.tags(phase="param_sync"):
+            handles = [
+                comm.all_gather(full, shard.detach().clone(), group=self.group, async_op=True)
+                for full, shard in zip(self._full, self._slices, strict=True)
+            ]
+            for handle in handles:
+                handle.wait()
+        return loss
 
-    def after_optimizer_step(self) -> None:
-        handles = [
-            comm.all_gather(full, shard.detach().clone(), group=self.group, async_op=True)
-            for full, shard in zip(self.full, self.shards, strict=True)
-        ]
-        for h in handles:
-            h.wait()
+    def _check_parameters_in_place(self) -> None:
+        for bucket, full in zip(self.buckets, self._full, strict=True):
+            for p in bucket.params:
+                if p.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                    raise RuntimeError(
+                        f"parameter {self._names[id(p)]} no longer lives in ZeroRedundancyOptimizer's flat buffer "
+                        f"(was the module moved with .to() or a parameter's .data replaced after the optimizer was "
+                        f"built?); build the optimizer after the module is where it will train"
+                    )
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.optim.zero_grad(set_to_none)
 
-def fsdp_units(model: TinyGPT) -> list[list[nn.Parameter]]:
-    """The trainable parameters of each FSDP unit: first the root (everything outside the blocks), then each block."""
-    block_params = {id(p) for b in model.blocks for p in b.parameters()}
-    root = [p for p in model.parameters() if p.requires_grad and id(p) not in block_params]
-    return [root] + [[p for p in b.parameters() if p.requires_grad] for b in model.blocks]
+    def state_dict(self) -> dict:
+        """This rank's slice of the optimizer state (``.optim``'s state dict) and the hyperparameters."""
+        return self.optim.state_dict()
 
-
-class FullyShardedUnit:
-    """One FSDP unit: a flat shard that persists, and a full buffer that exists only between gather and free."""
-
-    def __init__(self, name: str, params: list[nn.Parameter], n: int, rank: int) -> None:
-        self.name = name
-        self.flat = FlatShard(params, n, rank)
-        full = self.flat.flatten([p.detach() for p in params])
-        self.shard = nn.Parameter(full[self.flat.lo : self.flat.hi].clone())
-        self.flat.view_params_into(full)
-        self.full = full
-        self._nbytes = full.untyped_storage().nbytes()
-        self._pending: comm.Handle | None = None
-        self.gathered = True
-        self.forward_started = 0.0
-        self.free()
-
-    def gather(self) -> None:
-        """Start the all-gather of the full parameters, unless they are here or on their way."""
-        if self.gathered or self._pending is not None:
-            return
-        resize_storage(self.full, self._nbytes)
-        with trace.tags(unit=self.name):
-            self._pending = comm.all_gather(self.full, self.shard.detach(), async_op=True)
-
-    def ensure_gathered(self) -> None:
-        """Block until the full parameters are here (gathering now if nobody started it)."""
-        self.gather()
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-            self.gathered = True
-
-    def free(self) -> None:
-        resize_storage(self.full, 0)
-        self.gathered = False
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` saved on this rank, into a ZeroRedundancyOptimizer laid out the same way."""
+        self.optim.load_state_dict(state_dict)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
 
-class FullyShardedDataParallel(DataParallelStrategy):
-    """ZeRO stage 3 / FSDP over the tiny GPT: one unit per block plus a root unit (embedding, final LayerNorm)."""
+def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
+    """Copy every setting but the parameters from each group of ``source`` to the same group of ``target``."""
+    for src, dst in zip(source, target, strict=True):
+        dst.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
 
-    def __init__(self, model: TinyGPT, train: TrainConfig, prefetch: bool, reshard_after_forward: bool) -> None:
-        n, rank = dist.get_world_size(), dist.get_rank()
-        self.prefetch, self.reshard = prefetch, reshard_after_forward
-        root, *blocks = fsdp_units(model)
-        self.root = FullyShardedUnit("root", root, n, rank)
-        self.blocks = [FullyShardedUnit(f"block{i}", params, n, rank) for i, params in enumerate(blocks)]
-        self.units = [self.root, *self.blocks]
-        super().__init__(model, make_optimizer([u.shard for u in self.units], train))
-        self._in_flight: list[tuple[FullyShardedUnit, torch.Tensor, comm.Handle]] = []
-        self.ready = ReadyGroups([u.flat.params for u in self.units], self._reduce_scatter)
-        first, last = self._block(0), self._block(len(self.blocks) - 1)
-        model.register_forward_pre_hook(lambda _m, _a: self._before_forward(self.root, first))
-        model.register_forward_hook(lambda _m, _a, out: self._after_forward(self.root, out, last))
-        for i, block in enumerate(model.blocks):
-            unit, nxt, prev = self.blocks[i], self._block(i + 1), self._block(i - 1)
-            block.register_forward_pre_hook(lambda _m, _a, u=unit, nx=nxt: self._before_forward(u, nx))
-            block.register_forward_hook(lambda _m, _a, out, u=unit, pv=prev: self._after_forward(u, out, pv))
 
-    def _block(self, i: int) -> FullyShardedUnit | None:
-        return self.blocks[i] if 0 <= i < len(self.blocks) else None
+class ShardedStrategy(DataParallelStrategy):
+    """The shared step's hooks for a :class:`ZeroRedundancyOptimizer`: accumulation under its ``no_sync``, the
+    reduce-scatter finished in the grad_sync phase; its step all-gathers the parameters."""
 
-    def _before_forward(self, unit: FullyShardedUnit, next_unit: FullyShardedUnit | None) -> None:
-        unit.ensure_gathered()
-        if self.prefetch and next_unit is not None:
-            next_unit.gather()
-        unit.forward_started = trace.now()
-
-    def _after_forward(self, unit: FullyShardedUnit, out: torch.Tensor, backward_next: FullyShardedUnit | None):
-        if unit is not self.root:  # the root unit's forward wraps the whole model, blocks included
-            trace.record("compute", f"{unit.name} forward", unit.forward_started, trace.now(), unit=unit.name)
-        if self.reshard:
-            unit.free()
-        if out.requires_grad:
-            out.register_hook(lambda grad: self._before_backward(unit, backward_next))
-
-    def _before_backward(self, unit: FullyShardedUnit, next_unit: FullyShardedUnit | None) -> None:
-        unit.ensure_gathered()
-        if self.prefetch and next_unit is not None:
-            next_unit.gather()
-
-    def _reduce_scatter(self, u: int) -> None:
-        unit = self.units[u]
-        grads = unit.flat.flatten([p.grad for p in unit.flat.params])
-        for p in unit.flat.params:
-            p.grad = None
-        unit.free()
-        out = grads.new_empty(unit.flat.shard_numel)
-        with trace.tags(unit=unit.name):
-            self._in_flight.append((unit, out, comm.reduce_scatter(out, grads, async_op=True)))
+    def no_sync(self):
+        return self.optimizer.no_sync()
 
     def finish_gradients(self) -> None:
-        n = dist.get_world_size()
-        for unit, out, handle in self._in_flight:
-            handle.wait()
-            _accumulate_grad(unit.shard, out.div_(n))
-        self._in_flight = []
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Gather every unit once more and return the full parameters (for the equivalence check)."""
-        with trace.tags(phase="final"):
-            for unit in self.units:
-                unit.ensure_gathered()
-        params = final_params(self.model)
-        for unit in self.units:
-            unit.free()
-        return params
+        self.optimizer.finish_gradient_synchronization()
 
 
 def train_zero(
     cfg: GPTConfig,
     train: TrainConfig,
-    stage: int = 3,
-    bucket_mb: float = 0.1,
+    stage: int = 1,
+    bucket_mb: float | None = 0.1,
     overlap: bool = True,
     grad_accum: int = 1,
-    reshard_after_forward: bool = True,
     measure_memory: bool = True,
 ) -> dict:
-    """Rank function: ZeRO stage 1, 2 or 3 training of the tiny GPT."""
+    """Rank function: the tiny GPT trained by a :class:`ZeroRedundancyOptimizer` of AdamW at ``stage`` 1 or 2."""
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    if stage in (1, 2):
-        strategy = ShardedOptimizer(model, train, stage, int(bucket_mb * 1e6), overlap)
-        report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
-        return {**report, "params": final_params(model)}
-    if stage != 3:
-        raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-    strategy = FullyShardedDataParallel(model, train, prefetch=overlap, reshard_after_forward=reshard_after_forward)
-    report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
-    return {**report, "params": strategy.full_params()}
+    optimizer = ZeroRedundancyOptimizer(
+        model.named_parameters(),
+        torch.optim.AdamW,
+        stage,
+        bucket_mb=bucket_mb,
+        overlap=overlap,
+        **optimizer_settings(train),
+    )
+    report = train_loop(ShardedStrategy(model, optimizer), cfg, train, grad_accum, measure_memory)
+    return {**report, "params": final_params(model)}
 
 
-def flat_sizes(model: TinyGPT, n: int, stage: int, bucket_bytes: int) -> list[int]:
-    """Padded element counts of the flat buffers a ZeRO stage lays out (for the predictions; no ranks needed)."""
-    groups = fsdp_units(model) if stage == 3 else split_into_buckets(backward_order(model), bucket_bytes)
-    return [FlatShard(g, n, 0).padded for g in groups]
+def flat_sizes(params: list[nn.Parameter], n: int, bucket_bytes: float) -> list[int]:
+    """Padded element counts of the flat buffers ZeRO lays out for ``params`` (trainable, in forward order) over
+    n ranks (for the predictions; no ranks needed)."""
+    return [FlatShard(b, n, 0).padded for b in split_into_buckets(params[::-1], bucket_bytes)]
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-RESHARD = Option(
-    "reshard_after_forward", "keep gathered parameters from forward to backward", flag="--no-reshard", value=False
-)
+def gpt_bucket_sizes(cfg: GPTConfig, n: int, bucket_mb: float | None = 0.1, dtype=torch.float32) -> list[int]:
+    """Padded element counts of the flat buffers the course's ZeRO schemes lay out for the tiny GPT over n ranks."""
+    model = TinyGPT(cfg, dtype=dtype)  # bucket boundaries depend on the element size
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return flat_sizes(trainable, n, math.inf if bucket_mb is None else bucket_mb * 1e6)
 
 
 def _flat_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[int]:
-    model = TinyGPT(cfg, dtype=train.torch_dtype)  # bucket boundaries depend on the element size
-    return flat_sizes(model, world_size, o["stage"], int(o["bucket_mb"] * 1e6))
+    return gpt_bucket_sizes(cfg, world_size, o["bucket_mb"], train.torch_dtype)
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """With e bytes per element and the flat buffers padded to a multiple of n (Pad elements in k buffers), a rank
-    keeps 2e Pad/n + 4k of AdamW state (stage 1, §5.1), also only e Pad/n of gradients (stage 2, §5.2) and of
-    parameters (stage 3, §5.3; frozen parameters stay whole), and the activations of one micro-batch."""
+    """With e bytes per element, P trainable and F frozen parameters, and the flat buffers padded to a multiple of
+    n (Pad elements in k buffers), a rank keeps e Pad + e F of parameters (the module's are views into the buffers),
+    2e Pad/n + 4k of AdamW state (stage 1, §5.1), e P of gradients at stage 1 (the module's own .grad) and only
+    e Pad/n at stage 2 (§5.2), and the activations of one micro-batch."""
     sizes = _flat_sizes(world_size, cfg, train, o)
     model = TinyGPT(cfg)
-    frozen = count_params(model, trainable_only=False) - count_params(model)
-    e, n, stage, pad = train.torch_dtype.itemsize, world_size, o["stage"], sum(sizes)
+    trainable, frozen = count_params(model), count_params(model, trainable_only=False) - count_params(model)
+    e, n, pad = train.torch_dtype.itemsize, world_size, sum(sizes)
     row = {
-        "params": e * (pad // n if stage >= 3 else pad) + e * frozen,
-        "grads": e * (pad // n if stage >= 2 else pad),
+        "params": e * (pad + frozen),
+        "grads": e * (pad // n if o["stage"] == 2 else trainable),
         "optimizer": 2 * e * pad // n + 4 * len(sizes),
         "activations": activation_bytes(world_size, cfg, train, o),
     }
@@ -315,28 +347,22 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters, (n-1)/n x e Pad each
-    (stage 2 reduce-scatters every micro-batch); stage 3 all-gathers twice per micro-batch (forward and backward;
-    once without resharding after forward) and reduce-scatters once."""
+    """Each bucket's gradients are reduce-scattered and its updated parameters all-gathered, (n-1)/n x e Pad bytes
+    each; stage 2 reduce-scatters every micro-batch."""
     n, k = world_size, o["grad_accum"]
     if n == 1:
         return [{}]
     part = ring_factor("all_gather", n) * train.torch_dtype.itemsize * sum(_flat_sizes(n, cfg, train, o))
-    if o["stage"] == 3:
-        gathers = 2 if o["reshard_after_forward"] else 1
-        row = {"all_gather": gathers * k * part, "reduce_scatter": k * part}
-    else:
-        row = {"reduce_scatter": (k if o["stage"] == 2 else 1) * part, "all_gather": part}
-    return [dict(row) for _ in range(n)]
+    return [{"reduce_scatter": (k if o["stage"] == 2 else 1) * part, "all_gather": part} for _ in range(n)]
 
 
-def _scheme(stage: int, summary: str, options: tuple[Option, ...]) -> Scheme:
+def _scheme(stage: int, summary: str) -> Scheme:
     train = functools.partial(train_zero, stage=stage)
+    options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM)
     return Scheme(f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options)
 
 
 SCHEMES = (
-    _scheme(1, "ZeRO-1: shard the optimizer state", (BUCKET_MB, OVERLAP, GRAD_ACCUM)),
-    _scheme(2, "ZeRO-2: shard optimizer state and gradients", (BUCKET_MB, OVERLAP, GRAD_ACCUM)),
-    _scheme(3, "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs", (OVERLAP, GRAD_ACCUM, RESHARD)),
+    _scheme(1, "ZeRO-1: shard the optimizer state"),
+    _scheme(2, "ZeRO-2: shard optimizer state and gradients"),
 )

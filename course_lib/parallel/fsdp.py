@@ -1,0 +1,395 @@
+"""Fully sharded data parallelism around any module: ZeRO stage 3, P_os+g+p (Rajbhandari et al. 2020, "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", §5.3), as PyTorch's FSDP builds it (Zhao et al.
+2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", §3).
+
+A policy picks the submodules that become *units*; the root unit holds every other trainable parameter. Each unit's
+parameters are laid end to end in one flat buffer padded to a multiple of the n ranks, and rank r keeps slice r
+alone: the shard, an ``nn.Parameter`` that the optimizer updates (FSDP's full sharding). The module's own
+parameters stay in place as views into a full buffer whose storage exists only while the unit is gathered:
+
+* before a unit's forward its full parameters are all-gathered (and the next unit's gather started, forward
+  prefetching); after it they are freed (``reshard_after_forward``);
+* before the unit's backward they are gathered again (and the unit that ran before it prefetched: backward
+  prefetching); once all of its gradients exist they are reduce-scattered and averaged, and the full parameters
+  freed once more.
+
+Bytes per rank and step: (n-1)/n x 3 x Psi x b, 1.5x plain data parallelism (without resharding after forward,
+2 x: as much as DP). The course's ZeRO-3 scheme (:func:`train_fsdp`) is this wrapper around the tiny GPT, one unit
+per block.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves, tree_map
+
+from course_lib import comm, launch, trace
+from course_lib.comm import Group, ring_factor
+from course_lib.memory import adamw_state_bytes, resize_storage
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
+from course_lib.parallel.data import (
+    GRAD_ACCUM,
+    OVERLAP,
+    DataParallelStrategy,
+    ReadyGroups,
+    activation_bytes,
+    broadcast_from_first,
+    check_batch_split,
+    no_gradient_error,
+    split_like,
+    train_loop,
+)
+from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.zero import FlatShard
+
+Policy = Callable[[nn.Module], list[nn.Module]]
+ROOT = "root"
+
+
+def children_with_params(module: nn.Module) -> list[nn.Module]:
+    """The default policy: every direct child that holds a parameter becomes a unit."""
+    return [child for child in module.children() if next(child.parameters(), None) is not None]
+
+
+def shard_plan(module: nn.Module, policy: Policy) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """The units ``policy`` makes of ``module``, the root first: each one's name, module and trainable parameters.
+
+    A parameter belongs to the innermost unit around the place it is registered. One registered in two units, or in a
+    unit and outside every unit (an embedding tied to an output head), belongs to the root, which stays gathered
+    for the whole forward and is gathered first in backward, so every use finds it whole. Units left without a
+    trainable parameter are dropped; frozen parameters belong to none (they stay whole)."""
+    chosen = {id(m): m for m in policy(module)}
+    names = {id(module): ROOT}
+    owners: dict[int, set[int]] = defaultdict(set)
+
+    def visit(m: nn.Module, path: str, owner: int) -> None:
+        if id(m) in chosen:
+            owner = id(m)
+            names.setdefault(owner, path)
+        for p in m.parameters(recurse=False):
+            owners[id(p)].add(owner)
+        for name, child in m.named_children():
+            visit(child, f"{path}.{name}" if path else name, owner)
+
+    visit(module, "", id(module))
+    groups: dict[int, list[nn.Parameter]] = {owner: [] for owner in (id(module), *chosen)}
+    for p in module.parameters():
+        if p.requires_grad:
+            shared = len(owners[id(p)]) > 1
+            groups[id(module) if shared else next(iter(owners[id(p)]))].append(p)
+    modules = {**chosen, id(module): module}
+    return [(names[owner], modules[owner], params) for owner, params in groups.items() if params]
+
+
+class ShardedUnit:
+    """One FSDP unit: a shard that persists, and a full buffer (the module's parameters are views into it) that
+    exists only between :meth:`gather` and :meth:`free`, in ``compute_dtype`` if one is given."""
+
+    def __init__(
+        self, name: str, module: nn.Module, params: list[nn.Parameter], group: Group, compute_dtype: torch.dtype | None
+    ) -> None:
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError(f"unit {name!r} mixes dtypes {sorted({str(p.dtype) for p in params})}; use one dtype")
+        self.name, self.module, self.params, self.group = name, module, params, group
+        self.flat = FlatShard(params, dist.get_world_size(group), dist.get_rank(group))
+        full = self.flat.flatten([p.detach() for p in params])
+        self.shard = nn.Parameter(full[self.flat.lo : self.flat.hi].clone())
+        self.full = full.to(compute_dtype or full.dtype)
+        self.flat.view_params_into(self.full)
+        self._nbytes = self.full.untyped_storage().nbytes()
+        self._pending: comm.Handle | None = None
+        self.forward_started = 0.0
+        self.free()
+
+    def gather(self) -> None:
+        """Start the all-gather of the full parameters, unless they are here or on their way."""
+        if self.gathered or self._pending is not None:
+            return
+        resize_storage(self.full, self._nbytes)
+        with trace.tags(unit=self.name):
+            shard = self.shard.detach().to(self.full.dtype)
+            self._pending = comm.all_gather(self.full, shard, group=self.group, async_op=True)
+
+    def ensure_gathered(self) -> None:
+        """Block until the full parameters are here (gathering now if nobody started it)."""
+        self.gather()
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self.gathered = True
+
+    def free(self) -> None:
+        """Drop the full parameters (after any all-gather still writing into them)."""
+        if self._pending is not None:
+            self.ensure_gathered()
+        resize_storage(self.full, 0)
+        self.gathered = False
+
+    def reduce_scatter(self) -> tuple[torch.Tensor, comm.Handle]:
+        """Start summing the unit's gradients (zero for a parameter that got none) into this rank's slice; the
+        full gradients and parameters are freed. Returns the slice being written and the collective's handle."""
+        grads = [self.full.new_zeros(p.shape) if p.grad is None else p.grad for p in self.params]
+        flat = self.flat.flatten(grads)
+        for p in self.params:
+            p.grad = None
+        self.free()
+        out = flat.new_empty(self.flat.shard_numel)
+        with trace.tags(unit=self.name):
+            return out, comm.reduce_scatter(out, flat, group=self.group, async_op=True)
+
+
+def _neighbour(order: list[ShardedUnit], unit: ShardedUnit, offset: int) -> ShardedUnit | None:
+    """The unit ``offset`` places from ``unit`` in ``order``, if any."""
+    if unit not in order:
+        return None
+    i = order.index(unit) + offset
+    return order[i] if 0 <= i < len(order) else None
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 / FSDP around any module (Zhao et al. 2023, §3; Rajbhandari et al. 2020, §5.3).
+
+    At construction rank 0's parameters and buffers are broadcast over ``group``, then ``units(module)`` (default:
+    :func:`children_with_params`) picks the units (see :func:`shard_plan` for tied parameters) and every unit's
+    trainable parameters are sharded. ``parameters()`` are the shards alone, so ``torch.optim.AdamW(fsdp.parameters())``
+    updates this rank's slices: the module is kept as a plain attribute, not a registered submodule, so its full
+    parameters (views into buffers that are mostly freed) stay out; its own parameters remain real leaves, whose
+    gradient hooks find out when a unit's gradients are complete. Move the module to its device before wrapping.
+
+    ``reshard_after_forward`` frees a unit's full parameters after its forward (gathered again for backward);
+    ``prefetch`` starts the next unit's all-gather while a unit computes (in forward the order of the previous
+    forward, in backward that forward's reverse). ``compute_dtype`` gathers the parameters in that dtype and runs
+    forward and backward in it (floating-point inputs are cast; frozen parameters are kept in it once); gradients
+    are reduce-scattered in it and added to the shards in the shards' dtype (FSDP's native mixed precision).
+
+    Call :meth:`finish_gradient_synchronization` after backward, before the optimizer step. A trainable parameter
+    that got no gradient in a backward is an error there, naming it; with ``find_unused_parameters`` its gradient
+    counts as zero. Reduce-scatters start in a fixed unit order on every rank (the units' reverse order, the root
+    last), each as soon as it and all before it are complete; what is missing at the end of backward is then sent
+    with zeros. As with PyTorch's FSDP, every rank must run the same units forward (and, when a unit is gathered
+    again for backward, backward): gathers are collectives, and a unit that one rank skips leaves the others waiting.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: Policy | None = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        group: Group = None,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        object.__setattr__(self, "module", module)  # not registered: its full parameters are not ours to offer
+        self.reshard_after_forward, self.prefetch, self.group = reshard_after_forward, prefetch, group
+        self.compute_dtype, self.find_unused_parameters = compute_dtype, find_unused_parameters
+        broadcast_from_first(module, group)
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._frozen = {id(p): p.detach() for p in module.parameters() if not p.requires_grad}
+        if compute_dtype is not None:
+            for p in module.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(compute_dtype)
+            module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        plan = shard_plan(module, units or children_with_params)
+        self.units = [ShardedUnit(name, m, params, group, compute_dtype) for name, m, params in plan]
+        self.shards = nn.ParameterList(unit.shard for unit in self.units)
+        self.ready = ReadyGroups([unit.params for unit in self.units], self._unit_ready)
+        self._in_flight: list[tuple[ShardedUnit, torch.Tensor, comm.Handle]] = []
+        self._ready: set[int] = set()
+        self._issued = 0  # reduce-scatters started in this backward, in the order of reversed(self.units)
+        self._unused: list[str] = []
+        self._forward_order, self._pre_order, self._post_order = list(self.units), [], []
+        self._final_callback_queued = False
+        module.register_forward_pre_hook(self._begin_forward)
+        module.register_forward_hook(self._end_forward)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> FullyShardedDataParallel:
+        self.module.train(mode)
+        return super().train(mode)
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def _cast_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cast(x):
+            return x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return tree_map(cast, (args, kwargs))
+
+    def _begin_forward(self, _module: nn.Module, _args: tuple) -> None:
+        self._pre_order, self._post_order = [], []
+
+    def _before_forward(self, unit: ShardedUnit, _module: nn.Module, _args: tuple) -> None:
+        unit.ensure_gathered()
+        if self.prefetch and (following := _neighbour(self._forward_order, unit, 1)) is not None:
+            following.gather()
+        self._pre_order.append(unit)
+        unit.forward_started = trace.now()
+
+    def _after_forward(self, unit: ShardedUnit, _module: nn.Module, _args: tuple, output) -> None:
+        if unit.module is not self.module:  # the root's forward spans every other unit's
+            trace.record("compute", f"{unit.name} forward", unit.forward_started, trace.now(), unit=unit.name)
+        self._post_order.append(unit)
+        needs_grad = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.reshard_after_forward or not needs_grad:  # no backward to come: nothing to keep them for
+            unit.free()
+        for t in needs_grad:
+            t.register_hook(functools.partial(self._before_backward, unit))
+
+    def _end_forward(self, _module: nn.Module, _args: tuple, output) -> None:
+        self._forward_order = self._pre_order
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._begin_backward)
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def _begin_backward(self, _grad: torch.Tensor) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _before_backward(self, unit: ShardedUnit, _grad: torch.Tensor) -> None:
+        unit.ensure_gathered()
+        if self.prefetch and (previous := _neighbour(self._post_order, unit, -1)) is not None:
+            previous.gather()
+
+    def _unit_ready(self, i: int) -> None:
+        """Unit ``i``'s gradients are complete: start every reduce-scatter whose turn has come."""
+        self._ready.add(i)
+        while (turn := len(self.units) - 1 - self._issued) in self._ready:
+            self._in_flight.append((self.units[turn], *self.units[turn].reduce_scatter()))
+            self._issued += 1
+
+    def _end_backward(self) -> None:
+        """Autograd's last act in a backward: settle the units whose gradients did not all come, free every unit."""
+        self._final_callback_queued = False
+        missing = [p for unit in self.units for p in unit.params if id(p) not in self.ready.arrived]
+        self.ready.reset()
+        if self.find_unused_parameters:
+            for i in range(len(self.units)):
+                self._unit_ready(i)
+        else:
+            self._unused += [self._names[id(p)] for p in missing]
+        self._ready, self._issued = set(), 0
+        for unit in self.units:
+            unit.free()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
+        if self._unused:
+            names, self._unused = self._unused, []
+            raise no_gradient_error(
+                names, "their unit cannot be reduce-scattered", "pass find_unused_parameters=True to count them as zero"
+            )
+        n = dist.get_world_size(self.group)
+        for unit, out, handle in self._in_flight:
+            handle.wait()
+            grad = out.div_(n).to(unit.shard.dtype)
+            unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad.add_(grad)
+        self._in_flight = []
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the module whole, by its name there, in the shards' dtype, on the CPU (every rank of
+        the group must call it: it all-gathers each unit's shards)."""
+        whole = dict(self._frozen)
+        with trace.tags(phase="final"):
+            for unit in self.units:
+                flat = unit.shard.new_empty(unit.flat.padded)
+                comm.all_gather(flat, unit.shard.detach(), group=self.group)
+                whole |= {id(p): value for p, value in zip(unit.params, split_like(flat, unit.params), strict=True)}
+        return {name: whole[id(p)].detach().cpu().clone() for name, p in self.module.named_parameters()}
+
+
+class FullyShardedStrategy(DataParallelStrategy):
+    """The shared step's hooks for a :class:`FullyShardedDataParallel` model. The step runs the wrapped module
+    itself (its hooks gather the units) and the memory meter reads its parameters: the full ones, freed between
+    uses, and the frozen ones whole; the optimizer holds the shards."""
+
+    def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(fsdp.module, optimizer)
+        self.fsdp = fsdp
+
+    def finish_gradients(self) -> None:
+        self.fsdp.finish_gradient_synchronization()
+
+
+def gpt_blocks(model: TinyGPT) -> list[nn.Module]:
+    """The course's policy: one unit per transformer block; the root keeps the embeddings and the final LayerNorm."""
+    return list(model.blocks)
+
+
+def train_fsdp(
+    cfg: GPTConfig,
+    train: TrainConfig,
+    overlap: bool = True,
+    grad_accum: int = 1,
+    reshard_after_forward: bool = True,
+    measure_memory: bool = True,
+) -> dict:
+    """Rank function: ZeRO-3, the tiny GPT in :class:`FullyShardedDataParallel` with :func:`gpt_blocks` units;
+    ``overlap`` prefetches the next unit's parameters."""
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    fsdp = FullyShardedDataParallel(model, gpt_blocks, reshard_after_forward, prefetch=overlap)
+    strategy = FullyShardedStrategy(fsdp, make_optimizer(fsdp.parameters(), train))
+    report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
+    return {**report, "params": fsdp.full_params()}
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+RESHARD = Option(
+    "reshard_after_forward", "keep gathered parameters from forward to backward", flag="--no-reshard", value=False
+)
+
+
+def unit_sizes(model: TinyGPT, n: int) -> list[int]:
+    """Padded element counts of the tiny GPT's units over n ranks, the root first (no ranks needed)."""
+    return [FlatShard(params, n, 0).padded for _, _, params in shard_plan(model, gpt_blocks)]
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """With e bytes per element and the units padded to a multiple of n (Pad elements in k units), a rank keeps
+    e Pad/n of parameters (plus the frozen ones whole), e Pad/n of gradients, 2e Pad/n + 4k of AdamW state (§5.3),
+    and the activations of one micro-batch."""
+    model = TinyGPT(cfg, dtype=train.torch_dtype)
+    sizes = unit_sizes(model, world_size)
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    row = adamw_state_bytes(train.torch_dtype.itemsize, sum(sizes) // world_size, frozen, len(sizes))
+    row["activations"] = activation_bytes(world_size, cfg, train, o)
+    return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Per micro-batch every unit is all-gathered twice (forward and backward; once without resharding after
+    forward) and reduce-scattered once, (n-1)/n x e Pad bytes each."""
+    part = (
+        ring_factor("all_gather", world_size) * train.torch_dtype.itemsize * sum(unit_sizes(TinyGPT(cfg), world_size))
+    )
+    gathers = 2 if o["reshard_after_forward"] else 1
+    row = {"all_gather": gathers * o["grad_accum"] * part, "reduce_scatter": o["grad_accum"] * part}
+    return [dict(row) for _ in range(world_size)]
+
+
+SCHEMES = (
+    Scheme(
+        "zero3",
+        "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs",
+        train_fsdp,
+        check_batch_split,
+        predict_memory,
+        predict_comm,
+        (OVERLAP, GRAD_ACCUM, RESHARD),
+    ),
+)

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from_dims
@@ -210,8 +211,21 @@ def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
                 flag, dest=flag, type=option.kind, choices=option.choices, default=argparse.SUPPRESS, help=text
             )
         else:
-            parse = {int: _positive_int, float: _positive_float, str: str}[option.kind if option else int]
+            kind = option.kind if option else int
+            parse = {int: _positive_int, float: _positive_float}.get(kind) or _refusing(kind)
             parser.add_argument(flag, dest=flag, type=parse, metavar=metavar, default=argparse.SUPPRESS, help=text)
+
+
+def _refusing(kind: Callable[[str], object]) -> Callable[[str], object]:
+    """``kind`` as an argparse type whose ValueError message reaches the user (argparse would print its own)."""
+
+    def parse(text: str) -> object:
+        try:
+            return kind(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
 
 
 def _limits(args) -> dict:
@@ -250,10 +264,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"run {args.scheme}: {err}") from None
     report = run.report
     _write_json(report, args.json)
+    model = options.get("model")
+    shape = (
+        f"{cfg.layers} layers x {cfg.d_model} wide, {cfg.heads} heads"
+        if model is None
+        else f"your {getattr(model, '__qualname__', 'model')}"
+    )
     _say(
         args,
-        f"{args.scheme} on {world_size} {report['backend']} ranks, {report['params']:,} parameters ({cfg.layers} "
-        f"layers x {cfg.d_model} wide, {cfg.heads} heads, {cfg.seq} tokens, batch {train.batch}), {args.dtype}",
+        f"{args.scheme} on {world_size} {report['backend']} rank{'s' * (world_size != 1)}, {report['params']:,} "
+        f"parameters ({shape}, "
+        f"{cfg.seq} tokens, batch {train.batch}), {args.dtype}",
     )
     _say(args, f"  losses           {[round(x, 6) for x in report['losses']]}")
     _say(args, f"  reference losses {[round(x, 6) for x in report['reference_losses']]}")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import ModuleType
 
 import cloudpickle
 import torch
@@ -280,24 +281,33 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
 
 
 # ----------------------------------------------------------------------------------------------- local ranks
-def _payload(fn, args, kwargs) -> bytes:
-    """cloudpickle ``fn`` and its arguments; code outside installed packages travels by value."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+def _travels_by_value(obj) -> ModuleType | None:
+    """The module of a function or class defined outside installed packages and the course (a student's file),
+    which the ranks could not import by name; None for anything else."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "") if callable(obj) else None
     installed = (sys.prefix, sys.base_prefix)  # the environment's packages and the standard library
-    by_value = (
-        module is not None
-        and module.__name__ != "__main__"
-        and not module.__name__.startswith("course_lib")
-        and not (getattr(module, "__file__", None) or "").startswith(installed)
-    )
+    if (
+        module is None
+        or module.__name__ == "__main__"
+        or module.__name__.startswith("course_lib")
+        or (getattr(module, "__file__", None) or "").startswith(installed)
+    ):
+        return None
+    return module
+
+
+def _payload(fn, args, kwargs) -> bytes:
+    """cloudpickle ``fn`` and its arguments; code outside installed packages (``fn``'s, or that of a function or
+    class passed as an argument, such as a model factory) travels by value."""
+    modules = {m for obj in (fn, *args, *kwargs.values()) if (m := _travels_by_value(obj)) is not None}
     # cloudpickle's by-value registry is global: two threads launching from one module must not interleave.
     with _PAYLOAD_LOCK:
-        if by_value:
+        for module in modules:
             cloudpickle.register_pickle_by_value(module)
         try:
             return cloudpickle.dumps((fn, args, kwargs))
         finally:
-            if by_value:
+            for module in modules:
                 cloudpickle.unregister_pickle_by_value(module)
 
 

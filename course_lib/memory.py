@@ -68,8 +68,12 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
 
 
 def _held_params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The model's parameters and the optimizer's (a sharded scheme's optimizer holds shards, not the model's)."""
+    """The model's parameters (a wrapper's and its ``.module``'s: FSDP's wrapper offers only its shards) and the
+    optimizer's (a sharded scheme's optimizer holds shards, not the model's)."""
     params = list(model.parameters()) if model is not None else []
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module):
+        params += list(inner.parameters())
     return params + [p for o in _optimizers(optimizer) for group in o.param_groups for p in group["params"]]
 
 

@@ -9,9 +9,13 @@ deterministic token stream (no downloads) with structure the model can learn, so
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -215,22 +219,100 @@ def final_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
+ModelFactory = Callable[[], nn.Module]
+
+
+def build_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None = None) -> nn.Module:
+    """The tiny GPT of ``cfg``; or, given a factory, the student's own model: ``model()`` called with torch's
+    generator seeded by ``train.seed`` (so every rank and the reference build the same weights) and cast to
+    ``train.dtype``. Either one maps ``(tokens, targets)``, (batch, seq) token ids of :func:`synthetic_tokens`, to
+    the mean loss."""
+    if model is None:
+        return TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype)
+    torch.manual_seed(train.seed)
+    return model().to(train.torch_dtype)
+
+
+def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> None:
+    """Refuse, before any rank starts, a factory whose model the harness cannot train, saying what it must be."""
+    contract = (
+        "a function (or class) taking no arguments that returns an nn.Module whose forward(tokens, targets) returns "
+        "the mean loss"
+    )
+    if isinstance(model, nn.Module):
+        raise ValueError(
+            f"model must be {contract}; got a {type(model).__name__} instance: pass the class, or a function that "
+            f"builds it (lambda: {type(model).__name__}(...)), so that every rank builds its own"
+        )
+    if not callable(model):
+        raise ValueError(f"model must be {contract}; got a {type(model).__name__}")
+    try:
+        built = build_model(cfg, train, model)
+    except Exception as err:
+        raise ValueError(f"building your model failed: {type(err).__name__}: {err}") from err
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"model() returned a {type(built).__name__}; it must return {contract.split(' returns ')[1]}")
+    if not any(p.requires_grad for p in built.parameters()):
+        raise ValueError(f"your {type(built).__name__} has no trainable parameter: there is nothing to train")
+    tokens, targets = synthetic_tokens(0, 1, cfg, train.seed)
+    try:
+        loss = built(tokens, targets)
+    except Exception as err:
+        raise ValueError(
+            f"your {type(built).__name__} failed on a batch: model(tokens, targets), both of shape "
+            f"{tuple(tokens.shape)} (int64 token ids below vocab={cfg.vocab}), raised {type(err).__name__}: {err}"
+        ) from err
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"your {type(built).__name__}'s forward(tokens, targets) must return the mean loss, a scalar tensor "
+            f"with a gradient; it returned {got}"
+        )
+
+
+def load_factory(spec: str) -> ModelFactory:
+    """The model factory named by ``FILE.py:NAME`` or ``package.module:NAME`` (the command line's ``--model``)."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--model {spec!r}: give FILE.py:NAME or package.module:NAME, e.g. my_model.py:build")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"--model {spec!r}: there is no file {where}")
+        loader = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[path.stem] = module  # so that its functions travel to the ranks by value
+        loader.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise ValueError(f"--model {spec!r}: cannot import {where}: {err}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"--model {spec!r}: {where} defines no {name!r}")
+    return getattr(module, name)
+
+
 def train_reference(
-    cfg: GPTConfig = GPTConfig(), train: TrainConfig = TrainConfig(), device: torch.device | str = "cpu"
+    cfg: GPTConfig = GPTConfig(),
+    train: TrainConfig = TrainConfig(),
+    device: torch.device | str = "cpu",
+    model: ModelFactory | None = None,
 ) -> TrainResult:
-    """Train on one device: the ground truth that every parallel scheme must reproduce."""
+    """Train on one device: the ground truth that every parallel scheme must reproduce (the tiny GPT, or the
+    student's ``model``, see :func:`build_model`)."""
     device = torch.device(device)
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device)
-    optimizer = make_optimizer(model.parameters(), train)
+    module = build_model(cfg, train, model).to(device)
+    optimizer = make_optimizer(module.parameters(), train)
     losses = []
     for step in range(train.steps):
         tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
-        loss = model.loss(tokens.to(device), targets.to(device))
+        loss = module(tokens.to(device), targets.to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return TrainResult(losses, final_params(model))
+    return TrainResult(losses, final_params(module))
 
 
 def _same_names(a: dict, b: dict) -> None:

@@ -23,9 +23,11 @@ from course_lib import comm, launch
 from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.models import (
     GPTConfig,
-    TinyGPT,
+    ModelFactory,
     TrainConfig,
     TrainResult,
+    build_model,
+    check_model,
     count_params,
     max_param_diff,
     rel_param_diff,
@@ -62,6 +64,14 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(ALIASES)}")
     spec = SCHEMES[name]
+    if options.get("model") is not None:
+        if "model" not in spec.settings({}):
+            takers = [n for n, s in SCHEMES.items() if "model" in s.settings({})]
+            raise ValueError(
+                f"scheme {name!r} trains the course's tiny GPT only; your own model runs under {takers}. For tensor "
+                f"parallelism in your model, place ColumnParallelLinear/RowParallelLinear in it (parallelize_module)."
+            )
+        check_model(cfg, train, options["model"])
     spec.validate(world_size, cfg, train, spec.settings(options))
     return spec
 
@@ -78,14 +88,15 @@ def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwarg
 
 
 @functools.lru_cache(maxsize=32)
-def reference_run(cfg: GPTConfig, train: TrainConfig) -> TrainResult:
-    """:func:`course_lib.models.train_reference` for this configuration, trained once per process and kept (treat
-    the result as read-only). With local ranks it trains in a child of the rank server, which has torch's
-    optimizer machinery imported already (importing it here would cost the first run two seconds); under torchrun,
-    on rank 0 alone, which sends it to the others (the scheme's run has set up their process group)."""
+def reference_run(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None = None) -> TrainResult:
+    """:func:`course_lib.models.train_reference` for this configuration (and model factory), trained once per
+    process and kept (treat the result as read-only). With local ranks it trains in a child of the rank server,
+    which has torch's optimizer machinery imported already (importing it here would cost the first run two seconds);
+    under torchrun, on rank 0 alone, which sends it to the others (the scheme's run has set up their process
+    group)."""
     if not launch.under_torchrun():
-        return launch.run(train_reference, 1, cfg, train)[0]
-    result = [train_reference(cfg, train) if dist.get_rank() == 0 else None]
+        return launch.run(train_reference, 1, cfg, train, model=model)[0]
+    result = [train_reference(cfg, train, model=model) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -109,7 +120,9 @@ def run_scheme(
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster. ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
     ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
-    one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing."""
+    one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing.
+    ``model``, for the schemes that take one (a setting of their rank function), is a factory of the student's own
+    module (:func:`course_lib.models.build_model`), trained in place of the tiny GPT and by the reference."""
     spec = validate(scheme, world_size, cfg, train, options)
     settings = spec.settings(options)
     profile = get_profile(hardware) if hardware is not None else None
@@ -120,7 +133,7 @@ def run_scheme(
         if world_size != 1:
             raise ValueError(f"in_process runs one rank, not {world_size}; use the launcher for more")
         result = launch.run_here(rank_fn, cfg, train, count_flops=profile is not None, **options)
-        reference = train_reference(cfg, train)
+        reference = train_reference(cfg, train, model=options.get("model"))
     else:
         result = launch.run(
             rank_fn,
@@ -134,7 +147,7 @@ def run_scheme(
             count_flops=profile is not None,
             **options,
         )
-        reference = reference_run(cfg, train)
+        reference = reference_run(cfg, train, options.get("model"))
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
     params = {}  # the union of what the ranks hold (a pipeline rank holds only its stages)
@@ -162,8 +175,8 @@ def run_scheme(
         "world_size": world_size,
         "backend": result.backend,
         "dtype": train.dtype,
-        "options": options,
-        "params": count_params(TinyGPT(cfg)),
+        "options": {k: f"{v.__module__}.{v.__qualname__}" if callable(v) else v for k, v in options.items()},
+        "params": count_params(build_model(cfg, train, options.get("model"))),
         "steps": train.steps,
         "losses": losses,
         "reference_losses": list(reference.losses),

@@ -6,7 +6,7 @@ import pytest
 from course_lib.memory import CATEGORIES, model_state_formula
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params
 from course_lib.parallel.fsdp import unit_sizes
-from course_lib.parallel.zero import gpt_bucket_sizes
+from course_lib.parallel.zero import bucket_sizes
 from course_lib.schemes import run_scheme
 
 VARIANTS = [
@@ -57,7 +57,7 @@ def padding(scheme: str, n: int) -> int:
 
 def _buffers(scheme: str, n: int) -> list[int]:
     """The padded flat buffers of a ZeRO scheme: buckets of 0.1 MB at stages 1 and 2, FSDP's units at stage 3."""
-    return unit_sizes(TinyGPT(GPTConfig()), n) if scheme == "zero3" else gpt_bucket_sizes(GPTConfig(), n)
+    return unit_sizes(TinyGPT(GPTConfig()), n) if scheme == "zero3" else bucket_sizes(TinyGPT(GPTConfig()), n)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -28,10 +28,12 @@ from course_lib.comm import Group, ring_factor
 from course_lib.memory import MemoryMeter, adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import (
     GPTConfig,
-    TinyGPT,
+    ModelFactory,
     TrainConfig,
+    build_model,
     count_params,
     final_params,
+    load_factory,
     make_optimizer,
     synthetic_tokens,
 )
@@ -333,10 +335,11 @@ def train_data_parallel(
     overlap: bool = True,
     grad_accum: int = 1,
     measure_memory: bool = True,
+    model: ModelFactory | None = None,
 ) -> dict:
-    """Rank function: the tiny GPT in :class:`DataParallel` (one rank: trained as it is). ``per_parameter`` without
-    ``overlap`` is the naive scheme: one all-reduce per gradient, after backward."""
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    """Rank function: the tiny GPT (or the student's ``model``) in :class:`DataParallel` (one rank: trained as it
+    is). ``per_parameter`` without ``overlap`` is the naive scheme: one all-reduce per gradient, after backward."""
+    model = build_model(cfg, train, model).to(launch.rank_device())
     if dist.get_world_size() == 1:
         strategy = DataParallelStrategy(model, make_optimizer(model.parameters(), train))
     else:
@@ -352,6 +355,12 @@ ONE_BUCKET = Option("bucket_mb", "all gradients in one bucket", flag="--one-buck
 PER_PARAMETER = Option("per_parameter", "one all-reduce per gradient (with --no-overlap: the naive scheme)")
 OVERLAP = Option("overlap", "communicate after backward, not during it", flag="--no-overlap", value=False)
 GRAD_ACCUM = Option("grad_accum", "micro-batches per step, their gradients synced once (default 1)", int)
+MODEL = Option(
+    "model",
+    "train your own model instead of the tiny GPT: FILE.py:NAME or package.module:NAME, a function returning an "
+    "nn.Module whose forward(tokens, targets) returns the mean loss",
+    load_factory,
+)
 
 
 def check_batch_split(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
@@ -386,16 +395,24 @@ def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dic
     return tiny_gpt_activation_bytes(cfg, micro, train.torch_dtype.itemsize)["total"]
 
 
+def on_every_rank(states: dict, world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """The same predicted ``states`` for every rank, with the activations of one micro-batch where a formula
+    gives them: the tiny GPT's (:func:`activation_bytes`); a student's model has none, so only its states."""
+    row = dict(states)
+    if o.get("model") is None:
+        row["activations"] = activation_bytes(world_size, cfg, train, o)
+    return [dict(row) for _ in range(world_size)]
+
+
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Every rank holds the whole model: with e bytes per element, P trainable and F frozen parameters in T
     trainable tensors, eP + eF of parameters, eP of gradients and 2eP + 4T of AdamW state; and the activations of
     one micro-batch."""
-    model = TinyGPT(cfg, dtype=train.torch_dtype)
+    model = build_model(cfg, train, o.get("model"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = count_params(model, trainable_only=False) - count_params(model)
     row = adamw_state_bytes(train.torch_dtype.itemsize, sum(p.numel() for p in trainable), frozen, len(trainable))
-    row["activations"] = activation_bytes(world_size, cfg, train, o)
-    return [dict(row) for _ in range(world_size)]
+    return on_every_rank(row, world_size, cfg, train, o)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
@@ -403,7 +420,7 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     if world_size == 1:
         return [{}]  # one data-parallel rank has nothing to synchronise
     e = train.torch_dtype.itemsize
-    sent = ring_factor("all_reduce", world_size) * e * count_params(TinyGPT(cfg))
+    sent = ring_factor("all_reduce", world_size) * e * count_params(build_model(cfg, train, o.get("model")))
     return [{"all_reduce": sent} for _ in range(world_size)]
 
 
@@ -415,6 +432,7 @@ SCHEMES = (
         check_single,
         predict_memory,
         predict_comm,
+        (MODEL,),
         axes=(),
     ),
     Scheme(
@@ -424,6 +442,6 @@ SCHEMES = (
         check_batch_split,
         predict_memory,
         predict_comm,
-        (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM),
+        (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM, MODEL),
     ),
 )

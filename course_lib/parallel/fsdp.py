@@ -33,16 +33,17 @@ from torch.utils._pytree import tree_leaves, tree_map
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, resize_storage
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
+from course_lib.models import GPTConfig, ModelFactory, TinyGPT, TrainConfig, build_model, count_params, make_optimizer
 from course_lib.parallel.data import (
     GRAD_ACCUM,
+    MODEL,
     OVERLAP,
     DataParallelStrategy,
     ReadyGroups,
-    activation_bytes,
     broadcast_from_first,
     check_batch_split,
     no_gradient_error,
+    on_every_rank,
     split_like,
     train_loop,
 )
@@ -216,7 +217,19 @@ class FullyShardedDataParallel(nn.Module):
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as err:
+            away = [unit.name for unit in self.units if not unit.gathered]
+            if "storage of size 0" not in str(err) or not away:
+                raise
+            raise RuntimeError(
+                f"{type(self.module).__name__} used a parameter that FSDP had freed (units not gathered at that "
+                f"moment: {away}). FSDP gathers a unit's parameters only around that submodule's own forward, so a "
+                f"parameter used outside it (a weight tied by hand, as in x @ self.embed.weight.T) must belong to a "
+                f"unit around every use: choose units without that submodule (its parameters then stay in the "
+                f"root), or tie through a second module (head.weight = embed.weight), which puts it in the root."
+            ) from err
 
     def train(self, mode: bool = True) -> FullyShardedDataParallel:
         self.module.train(mode)
@@ -314,21 +327,22 @@ class FullyShardedDataParallel(nn.Module):
 
 
 class FullyShardedStrategy(DataParallelStrategy):
-    """The shared step's hooks for a :class:`FullyShardedDataParallel` model. The step runs the wrapped module
-    itself (its hooks gather the units) and the memory meter reads its parameters: the full ones, freed between
-    uses, and the frozen ones whole; the optimizer holds the shards."""
-
-    def __init__(self, fsdp: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(fsdp.module, optimizer)
-        self.fsdp = fsdp
+    """The shared step's hooks for a :class:`FullyShardedDataParallel` model: its gradient synchronization after
+    backward. The memory meter reads the wrapped module's parameters (the full ones, freed between uses, and the
+    frozen ones whole) besides the shards the optimizer holds."""
 
     def finish_gradients(self) -> None:
-        self.fsdp.finish_gradient_synchronization()
+        self.model.finish_gradient_synchronization()
 
 
 def gpt_blocks(model: TinyGPT) -> list[nn.Module]:
     """The course's policy: one unit per transformer block; the root keeps the embeddings and the final LayerNorm."""
     return list(model.blocks)
+
+
+def policy_for(model: ModelFactory | None) -> Policy:
+    """The units of a course run: one per block of the tiny GPT; for a student's model, FSDP's default."""
+    return gpt_blocks if model is None else children_with_params
 
 
 def train_fsdp(
@@ -338,11 +352,12 @@ def train_fsdp(
     grad_accum: int = 1,
     reshard_after_forward: bool = True,
     measure_memory: bool = True,
+    model: ModelFactory | None = None,
 ) -> dict:
-    """Rank function: ZeRO-3, the tiny GPT in :class:`FullyShardedDataParallel` with :func:`gpt_blocks` units;
-    ``overlap`` prefetches the next unit's parameters."""
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    fsdp = FullyShardedDataParallel(model, gpt_blocks, reshard_after_forward, prefetch=overlap)
+    """Rank function: ZeRO-3, the tiny GPT in :class:`FullyShardedDataParallel` with :func:`gpt_blocks` units (or
+    the student's ``model`` with one unit per child); ``overlap`` prefetches the next unit's parameters."""
+    module = build_model(cfg, train, model).to(launch.rank_device())
+    fsdp = FullyShardedDataParallel(module, policy_for(model), reshard_after_forward, prefetch=overlap)
     strategy = FullyShardedStrategy(fsdp, make_optimizer(fsdp.parameters(), train))
     report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": fsdp.full_params()}
@@ -354,28 +369,32 @@ RESHARD = Option(
 )
 
 
-def unit_sizes(model: TinyGPT, n: int) -> list[int]:
-    """Padded element counts of the tiny GPT's units over n ranks, the root first (no ranks needed)."""
-    return [FlatShard(params, n, 0).padded for _, _, params in shard_plan(model, gpt_blocks)]
+def unit_sizes(model: nn.Module, n: int, policy: Policy = gpt_blocks) -> list[int]:
+    """Padded element counts of the units ``policy`` makes of ``model`` over n ranks, the root first (no ranks
+    needed; the default policy is the tiny GPT's)."""
+    return [FlatShard(params, n, 0).padded for _, _, params in shard_plan(model, policy)]
+
+
+def _unit_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[int]:
+    return unit_sizes(build_model(cfg, train, o["model"]), world_size, policy_for(o["model"]))
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """With e bytes per element and the units padded to a multiple of n (Pad elements in k units), a rank keeps
     e Pad/n of parameters (plus the frozen ones whole), e Pad/n of gradients, 2e Pad/n + 4k of AdamW state (§5.3),
     and the activations of one micro-batch."""
-    model = TinyGPT(cfg, dtype=train.torch_dtype)
-    sizes = unit_sizes(model, world_size)
+    model = build_model(cfg, train, o["model"])
+    sizes = _unit_sizes(world_size, cfg, train, o)
     frozen = count_params(model, trainable_only=False) - count_params(model)
     row = adamw_state_bytes(train.torch_dtype.itemsize, sum(sizes) // world_size, frozen, len(sizes))
-    row["activations"] = activation_bytes(world_size, cfg, train, o)
-    return [dict(row) for _ in range(world_size)]
+    return on_every_rank(row, world_size, cfg, train, o)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Per micro-batch every unit is all-gathered twice (forward and backward; once without resharding after
     forward) and reduce-scattered once, (n-1)/n x e Pad bytes each."""
     part = (
-        ring_factor("all_gather", world_size) * train.torch_dtype.itemsize * sum(unit_sizes(TinyGPT(cfg), world_size))
+        ring_factor("all_gather", world_size) * train.torch_dtype.itemsize * sum(_unit_sizes(world_size, cfg, train, o))
     )
     gathers = 2 if o["reshard_after_forward"] else 1
     row = {"all_gather": gathers * o["grad_accum"] * part, "reduce_scatter": o["grad_accum"] * part}
@@ -390,6 +409,6 @@ SCHEMES = (
         check_batch_split,
         predict_memory,
         predict_comm,
-        (OVERLAP, GRAD_ACCUM, RESHARD),
+        (OVERLAP, GRAD_ACCUM, RESHARD, MODEL),
     ),
 )

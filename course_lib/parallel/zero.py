@@ -28,18 +28,27 @@ from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, optimizer_settings
+from course_lib.models import (
+    GPTConfig,
+    ModelFactory,
+    TrainConfig,
+    build_model,
+    count_params,
+    final_params,
+    optimizer_settings,
+)
 from course_lib.parallel.data import (
     BUCKET_MB,
     GRAD_ACCUM,
+    MODEL,
     ONE_BUCKET,
     OVERLAP,
     DataParallelStrategy,
     ReadyGroups,
-    activation_bytes,
     broadcast_from_first,
     check_batch_split,
     no_gradient_error,
+    on_every_rank,
     split_into_buckets,
     split_like,
     train_loop,
@@ -65,6 +74,18 @@ class FlatShard:
         """Make every parameter a view into ``flat``, so writing the buffer writes the parameters."""
         for p, view in zip(self.params, split_like(flat, self.params), strict=True):
             p.data = view
+
+
+def bucket_layout(params: list[nn.Parameter], bucket_mb: float | None) -> list[list[nn.Parameter]]:
+    """The buckets ZeRO lays the trainable ``params`` (in forward order) into: by dtype, in backward order, of about
+    ``bucket_mb`` MB each (``None``: one per dtype)."""
+    trainable = [p for p in params if p.requires_grad]
+    bucket_bytes = math.inf if bucket_mb is None else bucket_mb * 1e6
+    return [
+        bucket
+        for dtype in dict.fromkeys(p.dtype for p in trainable)
+        for bucket in split_into_buckets([p for p in reversed(trainable) if p.dtype == dtype], bucket_bytes)
+    ]
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -132,16 +153,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if average_gradients:
                 broadcast_from_first(param_group["params"], group)
             first = len(self.buckets)
-            for dtype in dict.fromkeys(p.dtype for p in trainable):
-                same = [p for p in reversed(trainable) if p.dtype == dtype]  # backward order
-                bucket_bytes = math.inf if bucket_mb is None else bucket_mb * 1e6
-                for params in split_into_buckets(same, bucket_bytes):
-                    bucket = FlatShard(params, n, rank)
-                    full = bucket.flatten([p.detach() for p in params])
-                    bucket.view_params_into(full)
-                    self.buckets.append(bucket)
-                    self._full.append(full)
-                    self._slices.append(nn.Parameter(full[bucket.lo : bucket.hi]))
+            for params in bucket_layout(trainable, bucket_mb):
+                bucket = FlatShard(params, n, rank)
+                full = bucket.flatten([p.detach() for p in params])
+                bucket.view_params_into(full)
+                self.buckets.append(bucket)
+                self._full.append(full)
+                self._slices.append(nn.Parameter(full[bucket.lo : bucket.hi]))
             hyper = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
             inner_groups.append({**hyper, "params": self._slices[first:]})
         self.optim = optimizer_class(inner_groups, **defaults)
@@ -295,37 +313,32 @@ def train_zero(
     overlap: bool = True,
     grad_accum: int = 1,
     measure_memory: bool = True,
+    model: ModelFactory | None = None,
 ) -> dict:
-    """Rank function: the tiny GPT trained by a :class:`ZeroRedundancyOptimizer` of AdamW at ``stage`` 1 or 2."""
-    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
+    """Rank function: the tiny GPT (or the student's ``model``) trained by a :class:`ZeroRedundancyOptimizer` of
+    AdamW at ``stage`` 1 or 2."""
+    module = build_model(cfg, train, model).to(launch.rank_device())
     optimizer = ZeroRedundancyOptimizer(
-        model.named_parameters(),
+        module.named_parameters(),
         torch.optim.AdamW,
         stage,
         bucket_mb=bucket_mb,
         overlap=overlap,
         **optimizer_settings(train),
     )
-    report = train_loop(ShardedStrategy(model, optimizer), cfg, train, grad_accum, measure_memory)
-    return {**report, "params": final_params(model)}
+    report = train_loop(ShardedStrategy(module, optimizer), cfg, train, grad_accum, measure_memory)
+    return {**report, "params": final_params(module)}
 
 
-def flat_sizes(params: list[nn.Parameter], n: int, bucket_bytes: float) -> list[int]:
-    """Padded element counts of the flat buffers ZeRO lays out for ``params`` (trainable, in forward order) over
-    n ranks (for the predictions; no ranks needed)."""
-    return [FlatShard(b, n, 0).padded for b in split_into_buckets(params[::-1], bucket_bytes)]
+def bucket_sizes(model: nn.Module, n: int, bucket_mb: float | None = 0.1) -> list[int]:
+    """Padded element counts of the flat buffers a ZeroRedundancyOptimizer over ``model.parameters()`` lays out
+    over n ranks (for the predictions; no ranks needed)."""
+    return [FlatShard(b, n, 0).padded for b in bucket_layout(list(model.parameters()), bucket_mb)]
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-def gpt_bucket_sizes(cfg: GPTConfig, n: int, bucket_mb: float | None = 0.1, dtype=torch.float32) -> list[int]:
-    """Padded element counts of the flat buffers the course's ZeRO schemes lay out for the tiny GPT over n ranks."""
-    model = TinyGPT(cfg, dtype=dtype)  # bucket boundaries depend on the element size
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return flat_sizes(trainable, n, math.inf if bucket_mb is None else bucket_mb * 1e6)
-
-
-def _flat_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[int]:
-    return gpt_bucket_sizes(cfg, world_size, o["bucket_mb"], train.torch_dtype)
+def _bucket_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[int]:
+    return bucket_sizes(build_model(cfg, train, o["model"]), world_size, o["bucket_mb"])
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
@@ -333,17 +346,16 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     n (Pad elements in k buffers), a rank keeps e Pad + e F of parameters (the module's are views into the buffers),
     2e Pad/n + 4k of AdamW state (stage 1, §5.1), e P of gradients at stage 1 (the module's own .grad) and only
     e Pad/n at stage 2 (§5.2), and the activations of one micro-batch."""
-    sizes = _flat_sizes(world_size, cfg, train, o)
-    model = TinyGPT(cfg)
+    sizes = _bucket_sizes(world_size, cfg, train, o)
+    model = build_model(cfg, train, o["model"])
     trainable, frozen = count_params(model), count_params(model, trainable_only=False) - count_params(model)
     e, n, pad = train.torch_dtype.itemsize, world_size, sum(sizes)
     row = {
         "params": e * (pad + frozen),
         "grads": e * (pad // n if o["stage"] == 2 else trainable),
         "optimizer": 2 * e * pad // n + 4 * len(sizes),
-        "activations": activation_bytes(world_size, cfg, train, o),
     }
-    return [dict(row) for _ in range(world_size)]
+    return on_every_rank(row, world_size, cfg, train, o)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
@@ -352,13 +364,13 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     n, k = world_size, o["grad_accum"]
     if n == 1:
         return [{}]
-    part = ring_factor("all_gather", n) * train.torch_dtype.itemsize * sum(_flat_sizes(n, cfg, train, o))
+    part = ring_factor("all_gather", n) * train.torch_dtype.itemsize * sum(_bucket_sizes(n, cfg, train, o))
     return [{"reduce_scatter": (k if o["stage"] == 2 else 1) * part, "all_gather": part} for _ in range(n)]
 
 
 def _scheme(stage: int, summary: str) -> Scheme:
     train = functools.partial(train_zero, stage=stage)
-    options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM)
+    options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM, MODEL)
     return Scheme(f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options)
 
 

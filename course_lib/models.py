@@ -87,13 +87,16 @@ class Attention(nn.Module):
         # which Adam's normalised update turns into steps of size lr that no two summation orders agree on.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        # What mixes the tokens, (q, k, v) -> output over (batch, heads, seq, head_dim): the one place context
+        # parallelism changes (it puts ring attention here, course_lib.parallel.context).
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Sizes come from qkv's output, so a tensor-parallel rank holding ``heads`` of them runs this code too (and,
         # under sequence parallelism, the whole sequence gathered by qkv). Head-major copies, so that what the
         # attention matmuls save does not depend on the batch size.
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2).contiguous() for t in self.qkv(x).chunk(3, -1))
-        return self.proj(causal_attention(q, k, v).transpose(1, 2).flatten(2))
+        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

@@ -36,7 +36,7 @@ from course_lib.models import (
 from course_lib.parallel.interface import Scheme
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
-SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d")
+SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context")
 SCHEMES: dict[str, Scheme] = {
     spec.name: spec
     for module in SCHEME_MODULES

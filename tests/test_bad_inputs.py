@@ -61,6 +61,8 @@ BAD = (
         (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"], "--tp x --pp x --dp = 8"),
         (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "zb-h1"], "zb-h1 with tensor parallel"),
         (["run", "3d", "--tp", "1", "--dp", "3"], "does not split over 3"),
+        (["run", "cp", "--cp", "3"], "sequence length 32 is not a multiple of 6"),
+        (["run", "cp", "--kv", "ring-all"], "invalid choice: 'ring-all'"),
         (["run", "dp", "--heads", "3"], "heads=3 must divide d_model=64"),
         (["run", "dp", "--hardware", "tpu"], "unknown hardware 'tpu'"),
         (["run", "dp", "--backend", "mpi"], "invalid choice: 'mpi'"),

@@ -236,8 +236,9 @@ def build_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None =
     return model().to(train.torch_dtype)
 
 
-def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> None:
-    """Refuse, before any rank starts, a factory whose model the harness cannot train, saying what it must be."""
+def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.Module:
+    """Refuse, before any rank starts, a factory whose model the harness cannot train, saying what it must be;
+    returns the model it built to check."""
     contract = (
         "a function (or class) taking no arguments that returns an nn.Module whose forward(tokens, targets) returns "
         "the mean loss"
@@ -271,6 +272,7 @@ def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> None
             f"your {type(built).__name__}'s forward(tokens, targets) must return the mean loss, a scalar tensor "
             f"with a gradient; it returned {got}"
         )
+    return built
 
 
 def load_factory(spec: str) -> ModelFactory:

@@ -52,8 +52,7 @@ def check_training(
     train_fn: TrainFn, model: ModelFactory, world_size: int = 2, steps: int = 3, batch: int = 8, backend: str = "auto"
 ) -> Verdict:
     """Run ``train_fn`` on one rank and on ``world_size`` ranks and judge the second against the first."""
-    check_model(GPTConfig(), TrainConfig(batch=batch), model)
-    name = type(model()).__name__
+    name = type(check_model(GPTConfig(), TrainConfig(batch=batch), model)).__name__
     if batch % world_size:
         raise ValueError(f"a batch of {batch} does not split over {world_size} ranks; use a multiple of {world_size}")
     ((reference, _),) = launch.run(_rank, 1, train_fn, model, steps, batch, backend=backend)

@@ -29,36 +29,30 @@ def mine(tokens: torch.Tensor) -> torch.Tensor:
     return batch_shard(tokens, dist.get_rank(), dist.get_world_size())
 
 
-def wrapped(model, batches):
-    ddp = DataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+def steps(wrapper, opt, batches, rows=mine) -> None:
+    """The student's loop over a wrapper with finish_gradient_synchronization (DataParallel or FSDP)."""
     for tokens, targets in batches:
         opt.zero_grad()
-        ddp(mine(tokens), mine(targets)).backward()
-        ddp.finish_gradient_synchronization()
+        wrapper(rows(tokens), rows(targets)).backward()
+        wrapper.finish_gradient_synchronization()
         opt.step()
+
+
+def wrapped(model, batches):
+    ddp = DataParallel(model)
+    steps(ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01), batches)
     return model.state_dict()
 
 
 def sharded_state(model, batches):
     ddp = DataParallel(model)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, average_gradients=False, lr=0.01)
-    for tokens, targets in batches:
-        opt.zero_grad()
-        ddp(mine(tokens), mine(targets)).backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
+    steps(ddp, ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, average_gradients=False, lr=0.01), batches)
     return model.state_dict()
 
 
 def fully_sharded(model, batches):
     fsdp = FullyShardedDataParallel(model)
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01)
-    for tokens, targets in batches:
-        opt.zero_grad()
-        fsdp(mine(tokens), mine(targets)).backward()
-        fsdp.finish_gradient_synchronization()
-        opt.step()
+    steps(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=0.01), batches)
     return fsdp.full_params()
 
 
@@ -86,12 +80,7 @@ def summed(model, batches):
 
 def whole_batch(model, batches):
     ddp = DataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
-    for tokens, targets in batches:
-        opt.zero_grad()
-        ddp(tokens, targets).backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
+    steps(ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01), batches, rows=lambda tokens: tokens)
     return model.state_dict()
 
 

@@ -384,7 +384,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     e Pad/n of parameters (plus the frozen ones whole), e Pad/n of gradients, 2e Pad/n + 4k of AdamW state (§5.3),
     and the activations of one micro-batch."""
     model = build_model(cfg, train, o["model"])
-    sizes = _unit_sizes(world_size, cfg, train, o)
+    sizes = unit_sizes(model, world_size, policy_for(o["model"]))
     frozen = count_params(model, trainable_only=False) - count_params(model)
     row = adamw_state_bytes(train.torch_dtype.itemsize, sum(sizes) // world_size, frozen, len(sizes))
     return on_every_rank(row, world_size, cfg, train, o)

@@ -47,7 +47,7 @@ from course_lib.parallel.tensor import (
     shard_shape,
     unshard,
 )
-from course_lib.parallel.zero import FlatShard, ZeroRedundancyOptimizer, bucket_layout
+from course_lib.parallel.zero import ZeroRedundancyOptimizer, bucket_sizes
 
 ZERO1_BUCKET_MB = 0.1  # ZeRO-1's flat buffers over the data-parallel axis
 
@@ -163,8 +163,8 @@ def _trainable_shards(stages: dict[int, PipelineStage], t: int) -> list[tuple[in
 
 def _zero1_padded(shapes: list[tuple[int, ...]], dtype: torch.dtype, dp: int) -> list[int]:
     """Padded sizes of ZeRO-1's flat buffers over a rank's trainable shards."""
-    shards = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in shapes]
-    return [FlatShard(b, dp, 0).padded for b in bucket_layout(shards, ZERO1_BUCKET_MB)]
+    shards = nn.ParameterList(torch.empty(shape, dtype=dtype, device="meta") for shape in shapes)
+    return bucket_sizes(shards, dp, ZERO1_BUCKET_MB)
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:

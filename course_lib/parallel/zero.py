@@ -346,8 +346,8 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     n (Pad elements in k buffers), a rank keeps e Pad + e F of parameters (the module's are views into the buffers),
     2e Pad/n + 4k of AdamW state (stage 1, §5.1), e P of gradients at stage 1 (the module's own .grad) and only
     e Pad/n at stage 2 (§5.2), and the activations of one micro-batch."""
-    sizes = _bucket_sizes(world_size, cfg, train, o)
     model = build_model(cfg, train, o["model"])
+    sizes = bucket_sizes(model, world_size, o["bucket_mb"])
     trainable, frozen = count_params(model), count_params(model, trainable_only=False) - count_params(model)
     e, n, pad = train.torch_dtype.itemsize, world_size, sum(sizes)
     row = {

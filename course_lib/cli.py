@@ -14,9 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 
+import torch
+
 from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from_dims
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.models import GPTConfig, TrainConfig, within_capacity
 
 
 def _is_lead() -> bool:
@@ -111,16 +113,32 @@ def _sizes(args) -> dict:
     }
 
 
-def _model_config(args, layers_needed: int = 1) -> GPTConfig:
+MOE_FLAGS = ("experts", "top_k", "capacity_factor", "aux_loss_coef")  # GPTConfig fields that ``run`` takes
+
+
+def _model_config(args, layers_needed: int = 1, model_settings: dict | None = None) -> GPTConfig:
     """The tiny GPT with the sizes given on the command line; by default 2 layers, or as many as the scheme needs
-    (one per pipeline stage) if that is more."""
+    (one per pipeline stage) if that is more; MoE settings from the command line over the scheme's
+    ``model_settings`` (``ep``: 8 experts, top-2)."""
     sizes = _sizes(args)
+    given = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name, None) is not None}
     return GPTConfig(
         layers=args.layers or max(GPTConfig().layers, layers_needed),
         d_model=sizes["hidden"],
         heads=args.heads or GPTConfig().heads,
         seq=sizes["seq"],
+        **((model_settings or {}) if given.get("experts") != 0 else {}) | given,
     )
+
+
+def _routing_lines(counts: list, cfg: GPTConfig) -> list[str]:
+    """An MoE run's last step, per layer: assignments per expert, and what capacity kept of them."""
+    lines = [f"  assignments per expert, last step (top-{cfg.top_k} of {cfg.experts}; routed -> kept by capacity):"]
+    for layer, per_source in enumerate(counts[-1]):
+        routed = torch.tensor(per_source)
+        kept = within_capacity(routed, cfg)
+        lines.append(f"    layer {layer}: {routed.sum(0).tolist()} -> {kept.sum(0).tolist()}")
+    return lines
 
 
 def _rank_table(report: dict) -> list[str]:
@@ -247,7 +265,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"run {args.scheme}: {err}") from None
     try:
         layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
-        cfg, train = _model_config(args, layers_needed), _train_config(args)
+        cfg, train = _model_config(args, layers_needed, spec.model_settings), _train_config(args)
         run = run_scheme(
             args.scheme,
             world_size,
@@ -265,8 +283,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = run.report
     _write_json(report, args.json)
     model = options.get("model")
+    moe = f", {cfg.experts} experts top-{cfg.top_k}" if cfg.experts else ""
     shape = (
-        f"{cfg.layers} layers x {cfg.d_model} wide, {cfg.heads} heads"
+        f"{cfg.layers} layers x {cfg.d_model} wide, {cfg.heads} heads{moe}"
         if model is None
         else f"your {getattr(model, '__qualname__', 'model')}"
     )
@@ -285,6 +304,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     _say(args, "  bytes per rank, last step:")
     for line in _rank_table(report):
         _say(args, line)
+    if "counts" in run.result[0]:
+        for line in _routing_lines(run.result[0]["counts"], cfg):
+            _say(args, line)
     if run.modeled is not None:
         m = report["modeled"]
         _say(args, f"  modeled on {m['hardware']} ({m['gpus_per_node']} GPUs per node), last step:")
@@ -391,18 +413,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib import launch
     from course_lib.schemes import SCHEMES, run_scheme, validate
 
-    train, cfg = _train_config(args), _model_config(args, args.world_size)
+    train = _train_config(args)
     sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}
+    cfgs = {name: _model_config(args, args.world_size, spec.model_settings) for name, spec in SCHEMES.items()}
     try:  # every scheme checked before the first one runs
         for name, n in sizes.items():
-            validate(name, n, cfg, train, {})
+            validate(name, n, cfgs[name], train, {})
             launch.check_world_size(n, args.max_ranks)
     except ValueError as err:
         raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
     rows, reports = [], []
     started = time.perf_counter()
     for name, n in sizes.items():  # single: 1 rank; 3d: its default 2 x 2 x 2 grid
-        run = run_scheme(name, n, cfg, train, backend=args.backend, **_limits(args))
+        run = run_scheme(name, n, cfgs[name], train, backend=args.backend, **_limits(args))
         reports.append(run.report)
         r0 = run.report["ranks"][0]
         state = sum(r0["memory"][k] for k in CATEGORIES)
@@ -585,6 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", type=_positive_int, help="with --hardware: GPUs per node (default: the profile's)"
     )
     training_flags(run)
+    moe = run.add_argument_group("mixture of experts (ep: default 8 experts, top-2)")
+    moe.add_argument("--experts", type=_natural, help="experts per layer in place of each MLP (0: dense)")
+    moe.add_argument("--top-k", type=_positive_int, help="experts each token goes to")
+    moe.add_argument("--capacity-factor", type=_positive_float, help="cap each expert's load (default: dropless)")
+    moe.add_argument("--aux-loss-coef", type=_nonnegative_float, help="load-balancing loss weight (default 0.01)")
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")

@@ -2,9 +2,10 @@
 
 The model is a pre-LayerNorm decoder (Radford et al. 2019) small enough that a step takes milliseconds on one CPU
 core: token embedding tied to the output head, a position embedding that can be frozen (so every scheme must cope
-with a parameter that has no gradient), and ``layers`` blocks of causal self-attention and a 4x GELU MLP. Its
-initialisation depends only on the seed, so every rank of every scheme builds the same model. The data is a
-deterministic token stream (no downloads) with structure the model can learn, so losses fall over a few steps.
+with a parameter that has no gradient), and ``layers`` blocks of causal self-attention and a 4x GELU MLP, or with
+``experts`` > 0 a mixture of experts in place of each MLP (:class:`MoE`). Its initialisation depends only on the
+seed, so every rank of every scheme builds the same model. The data is a deterministic token stream (no downloads)
+with structure the model can learn, so losses fall over a few steps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from course_lib import trace
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the tiny GPT. ``heads`` must divide ``d_model``."""
+    """Sizes of the tiny GPT. ``heads`` must divide ``d_model``.
+
+    ``experts`` > 0 makes every block's MLP a mixture of that many experts (:class:`MoE`), each token sent to its
+    ``top_k`` best; ``capacity_factor`` None is dropless, a float caps each expert at
+    ceil(tokens x top_k / experts x capacity_factor) assignments per batch; ``aux_loss_coef`` is Switch's alpha.
+    """
 
     vocab: int = 128
     seq: int = 32
@@ -35,6 +41,10 @@ class GPTConfig:
     heads: int = 4
     ffn_mult: int = 4
     frozen_pos: bool = True
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq", "layers", "d_model", "heads", "ffn_mult"):
@@ -42,6 +52,22 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.d_model % self.heads:
             raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
+        if self.experts < 0:
+            raise ValueError(f"GPTConfig.experts must be 0 (a dense MLP) or a number of experts, got {self.experts}")
+        if self.experts == 0 and (self.top_k != 1 or self.capacity_factor is not None):
+            raise ValueError(
+                f"top_k={self.top_k} and capacity_factor={self.capacity_factor} route tokens to experts, but this "
+                f"model is dense (experts=0); set experts to 1 or more, or leave them at 1 and None"
+            )
+        if not 1 <= self.top_k <= max(self.experts, 1):
+            raise ValueError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
+            raise ValueError(
+                f"capacity_factor must be a positive number (1.25 is Switch's) or None (dropless), got "
+                f"{self.capacity_factor}"
+            )
+        if not 0 <= self.aux_loss_coef < math.inf:
+            raise ValueError(f"aux_loss_coef must be 0 or more (Switch uses 0.01), got {self.aux_loss_coef}")
 
 
 @dataclass(frozen=True)
@@ -109,15 +135,125 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+@dataclass
+class Routing:
+    """Where a batch's tokens go: the kept (token, expert) assignments in token order, with their gates; and the
+    assignments per expert before (``counts``) and after (``kept``) capacity, one row per source rank (one row on
+    one device)."""
+
+    expert: torch.Tensor
+    token: torch.Tensor
+    gate: torch.Tensor
+    counts: torch.Tensor
+    kept: torch.Tensor
+
+
+def expert_capacity(cfg: GPTConfig, tokens: int) -> int:
+    """Assignments an expert takes per batch of ``tokens``: ceil(tokens x top_k / experts x capacity_factor)
+    (Fedus et al. 2021, §2.2)."""
+    return math.ceil(tokens * cfg.top_k / cfg.experts * cfg.capacity_factor)
+
+
+def within_capacity(counts: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """The assignments kept of ``counts`` (source rank x expert, the ranks' tokens in this order making the batch):
+    each expert keeps the batch's first :func:`expert_capacity` in token order and drops the rest; all without a
+    capacity factor."""
+    if cfg.capacity_factor is None:
+        return counts
+    capacity = expert_capacity(cfg, int(counts.sum()) // cfg.top_k)
+    before = counts.cumsum(0) - counts  # the assignments of earlier ranks' tokens
+    return (capacity - before).clamp(min=0).minimum(counts)
+
+
+class LocalDispatcher:
+    """Every expert on this device: the reference's dispatch (see :class:`MoE`)."""
+
+    rank = 0
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts.unsqueeze(0)
+
+    def expert_outputs(self, moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return moe.run_experts(x[routing.token], routing.expert)
+
+
+class MoE(nn.Module):
+    """A mixture of ``experts`` MLPs in place of a block's MLP (Shazeer et al. 2017, §2; Fedus et al. 2021 "Switch
+    Transformers", §2.1-2.2; Lepikhin et al. 2020 "GShard", §2.2).
+
+    A linear router gives each token probabilities p = softmax(W x) over the experts; the token goes to its
+    ``top_k`` most probable. Its gates: with top-1 the probability itself (Switch, §2.1, so the router learns from
+    the task loss too); with top-k > 1 the k probabilities renormalised to sum to 1 (GShard's top-2, Mixtral). The
+    output is the gate-weighted sum of the chosen experts' outputs.
+
+    Capacity (``capacity_factor``): each expert takes at most :func:`expert_capacity` assignments of the batch,
+    first come first served in token order (a token's k choices are distinct experts); a dropped assignment
+    contributes zero, so a token dropped by all its experts passes through the block on the residual alone
+    (Switch, §2.2).
+
+    Load balancing (Switch, §2.2, eq. 4-6): ``aux_loss`` = alpha x E x sum_i f_i x P_i, f_i the fraction of the
+    batch's assignments routed to expert i (before capacity; no gradient) and P_i the mean router probability of
+    expert i. Uniform routing gives alpha; :class:`TinyGPT` adds every layer's to the training loss.
+
+    ``dispatcher`` decides where tokens meet their experts: :class:`LocalDispatcher` here, all-to-all between
+    ranks in :mod:`course_lib.parallel.expert` (Megatron-core's token dispatchers). ``counts`` keeps the last
+    batch's assignments per (source rank, expert).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.experts)})
+        self.dispatcher = LocalDispatcher()
+        self.aux_loss: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def route(self, probs: torch.Tensor) -> Routing:
+        """Top-k experts and gates of each token (rows of ``probs``), and which assignments capacity keeps."""
+        k, experts = self.cfg.top_k, self.cfg.experts
+        top, chosen = probs.topk(k, dim=-1)
+        gates = top / top.sum(-1, keepdim=True) if k > 1 else top
+        expert = chosen.reshape(-1)
+        counts = self.dispatcher.gather_counts(torch.bincount(expert, minlength=experts))
+        kept = within_capacity(counts, self.cfg)
+        position = F.one_hot(expert, experts).cumsum(0).gather(1, expert.unsqueeze(1)).squeeze(1) - 1
+        keep = position < kept[self.dispatcher.rank, expert]
+        token = torch.arange(probs.shape[0], device=probs.device).repeat_interleave(k)
+        return Routing(expert[keep], token[keep], gates.reshape(-1)[keep], counts, kept)
+
+    def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """alpha x E x sum_i f_i x P_i with f from ``counts`` (all source ranks) and P from these ``probs``."""
+        f = counts.sum(0).to(probs.dtype) / counts.sum()
+        return self.cfg.aux_loss_coef * self.cfg.experts * (f * probs.mean(0)).sum()
+
+    def run_experts(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert (``expert`` holds their indices); every expert runs, if on no rows, so
+        that each gets a gradient every step."""
+        out = rows.new_zeros(rows.shape)
+        for name, mlp in self.experts.items():
+            mine = (expert == int(name)).nonzero().squeeze(1)
+            out = out.index_copy(0, mine, mlp(rows[mine]))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = self.router(flat).softmax(-1)
+        routing = self.route(probs)
+        self.aux_loss, self.counts = self.balance_loss(probs, routing.counts), routing.counts
+        weighted = self.dispatcher.expert_outputs(self, flat, routing) * routing.gate.unsqueeze(1)
+        return torch.zeros_like(flat).index_add(0, routing.token, weighted).reshape(x.shape)
+
+
 class Block(nn.Module):
-    """x + attn(ln1(x)), then + mlp(ln2(.)): one transformer layer."""
+    """x + attn(ln1(x)), then + mlp(ln2(.)): one transformer layer (its MLP a :class:`MoE` with experts)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -158,9 +294,13 @@ class TinyGPT(nn.Module):
         return x
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for token ids (batch, seq), or with ``targets`` the mean cross-entropy."""
+        """Logits for token ids (batch, seq), or with ``targets`` the training loss: the mean cross-entropy, plus
+        with experts every layer's load-balancing loss (Switch, §2.2)."""
         x = self.hidden(tokens)
-        return self.logits(x) if targets is None else self.output_loss(x, targets)
+        if targets is None:
+            return self.logits(x)
+        loss = self.output_loss(x, targets)
+        return loss + sum(block.mlp.aux_loss for block in self.blocks) if self.cfg.experts else loss
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self(tokens, targets)  # through __call__, so that module hooks (FSDP's) run

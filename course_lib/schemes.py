@@ -36,7 +36,7 @@ from course_lib.models import (
 from course_lib.parallel.interface import Scheme
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
-SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context")
+SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context", "expert")
 SCHEMES: dict[str, Scheme] = {
     spec.name: spec
     for module in SCHEME_MODULES
@@ -64,6 +64,12 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(ALIASES)}")
     spec = SCHEMES[name]
+    if cfg.experts and not spec.moe:
+        takers = [n for n, s in SCHEMES.items() if s.moe]
+        raise ValueError(
+            f"scheme {name!r} trains the dense tiny GPT, and this model has {cfg.experts} experts per layer; an MoE "
+            f"model runs under {takers} (or set experts=0)"
+        )
     if options.get("model") is not None:
         if "model" not in spec.settings({}):
             takers = [n for n, s in SCHEMES.items() if "model" in s.settings({})]
@@ -197,10 +203,8 @@ def run_scheme(
             report["bubble_fraction"] = report["modeled"]["bubble_fraction"]
         for rank, numbers in zip(report["ranks"], modeled.per_rank(), strict=True):
             rank["modeled"] = {k: v for k, v in numbers.items() if k != "rank"}
-    return SchemeRun(
-        report,
-        result,
-        spec.predict_memory(world_size, cfg, train, settings),
-        spec.predict_comm(world_size, cfg, train, settings),
-        modeled,
-    )
+    predicted_comm = spec.predict_comm(world_size, cfg, train, settings)
+    if spec.routed_comm is not None:
+        routed = spec.routed_comm(list(result), cfg, train)
+        predicted_comm = [row | extra for row, extra in zip(predicted_comm, routed, strict=True)]
+    return SchemeRun(report, result, spec.predict_memory(world_size, cfg, train, settings), predicted_comm, modeled)

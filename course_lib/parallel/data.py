@@ -397,9 +397,10 @@ def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dic
 
 def on_every_rank(states: dict, world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """The same predicted ``states`` for every rank, with the activations of one micro-batch where a formula
-    gives them: the tiny GPT's (:func:`activation_bytes`); a student's model has none, so only its states."""
+    gives them: the dense tiny GPT's (:func:`activation_bytes`); a student's model has none, and what an MoE's
+    experts save depends on the routing, so for those only the states."""
     row = dict(states)
-    if o.get("model") is None:
+    if o.get("model") is None and not cfg.experts:
         row["activations"] = activation_bytes(world_size, cfg, train, o)
     return [dict(row) for _ in range(world_size)]
 
@@ -434,6 +435,7 @@ SCHEMES = (
         predict_comm,
         (MODEL,),
         axes=(),
+        moe=True,
     ),
     Scheme(
         "dp",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -53,6 +53,12 @@ class Scheme:
     ``axes`` are the mesh axes the ranks form: none (one rank), one (its size is the world size: ``run tp --tp 4``)
     or several, each an option, whose product is the world size. ``describe`` adds scheme-specific entries to the
     report (a pipeline's plan); ``layers_needed`` is the fewest layers the model needs (one per pipeline stage).
+    ``moe`` says whether the scheme trains a tiny GPT with experts (``GPTConfig.experts`` > 0) exactly; the harness
+    refuses an MoE model for the others. ``model_settings`` are the fields of :class:`course_lib.models.GPTConfig`
+    the command line and the demo give the scheme's model unless the user gives them (``ep``: 8 experts, top-2).
+    ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
+    the ranks' reports: ``routed_comm(results, cfg, train)`` gives each rank's bytes by collective, which the
+    harness adds to ``predict_comm``'s.
     """
 
     name: str
@@ -65,6 +71,9 @@ class Scheme:
     axes: tuple[str, ...] = ("dp",)
     describe: Callable[[int, GPTConfig, TrainConfig, dict], dict] | None = None
     layers_needed: Callable[[int, dict], int] | None = None
+    moe: bool = False
+    model_settings: dict = field(default_factory=dict)
+    routed_comm: Callable[[list[dict], GPTConfig, TrainConfig], list[dict]] | None = None
 
     def settings(self, options: dict) -> dict:
         """Every keyword of the rank function: ``options`` over its defaults. Refuses an option the scheme does not

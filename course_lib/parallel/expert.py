@@ -1,0 +1,251 @@
+"""Expert parallelism for the MoE tiny GPT (Lepikhin et al. 2020, "GShard", §2.2-3; Fedus et al. 2021, "Switch
+Transformers", §2.1-2.2 and Fig. 4; DeepSeek-AI 2024, "DeepSeek-V3", §3.2-3.4 for EP folded over DP).
+
+The world's n ranks are one expert-parallel group: rank r holds experts r E/n .. (r+1) E/n - 1 of every MoE layer
+and a replica of everything else (attention, LayerNorms, embeddings, the routers). Each rank takes its 1/n of the
+batch, as data parallelism does, and the dense gradients are averaged over the same ranks after backward: EP folded
+over DP, as DeepSeek-V3 trains. Per MoE layer and step:
+
+1. route the rank's tokens (top-k, gates);
+2. all-gather the per-expert counts, one row per rank (n x E integers): every rank then knows the split sizes of
+   both all-to-alls, the global f_i of the balance loss and, with a capacity factor, which assignments the batch
+   drops (torchtitan exchanges the counts with an all-to-all instead, which gives a rank only its own experts'
+   column: enough for the splits, but not for f_i or for capacity over the whole batch);
+3. dispatch: all-to-all the token rows, sorted by expert, to the ranks that own their experts (uneven splits);
+4. run the local experts on what arrived; combine: all-to-all the outputs back (the same splits, swapped), and sum
+   them with the gates at their tokens. Backward runs the two all-to-alls again in reverse.
+
+Exactly the single-device step, by three choices:
+
+* **Loss scaling.** Rank r's loss is its share's mean cross-entropy, and the reference's is the mean over the n
+  shares. A dense parameter's gradient on rank r is that of rank r's loss alone, and the all-reduce averages them,
+  as in DP. An expert's gradient, though, already sums every rank's loss (their tokens came to it through the
+  all-to-all, and the gradients went back the same way), so it is divided by n instead of all-reduced.
+* **Balance loss over the global batch.** f_i comes from the all-gathered counts, the same on every rank; P_i is
+  linear in the tokens and carries the gradient, so each rank uses the mean probability of its own tokens: the mean
+  over ranks of alpha E sum_i f_i P_i(rank) is the reference's alpha E sum_i f_i P_i, value and gradient, with no
+  collective on the probabilities. (A rank's own loss is therefore not the reference's; their mean is.)
+* **Capacity over the global batch.** The reference keeps each expert's first C assignments in token order; the
+  global order is rank 0's tokens, then rank 1's, ... (each rank's share is a block of rows), so a rank keeps an
+  assignment if the earlier ranks' counts for that expert plus its position among its own stay below C. Every rank
+  computes this from the gathered counts before dispatching, so a dropped token is never sent.
+
+Micro-batches would route and cap per micro-batch, not per batch, so the scheme takes no ``grad_accum``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import comm, launch, trace
+from course_lib.comm import Group, ring_factor
+from course_lib.memory import adamw_state_bytes
+from course_lib.models import (
+    GPTConfig,
+    MoE,
+    Routing,
+    TinyGPT,
+    TrainConfig,
+    count_params,
+    final_params,
+    make_optimizer,
+    within_capacity,
+)
+from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, check_batch_split, train_loop
+from course_lib.parallel.interface import Scheme
+
+
+def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:
+    """Rows of ``x`` to the group's ranks, ``input_splits[j]`` of them to rank j, and ``output_splits[j]`` rows from
+    rank j (one all-to-all)."""
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    comm.all_to_all(out, x.contiguous(), output_splits, input_splits, group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """:func:`exchange` forward; backward sends the rows' gradients back where the rows came from."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        with trace.tags(direction="forward"):
+            return exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        with trace.tags(direction="backward"):
+            return exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def local_experts(experts: int, rank: int, world_size: int) -> range:
+    """The experts rank ``rank`` of ``world_size`` holds: a contiguous block of E/n."""
+    per = experts // world_size
+    return range(rank * per, (rank + 1) * per)
+
+
+class AllToAllDispatcher:
+    """Tokens to the ranks that own their experts and back, by all-to-all (Megatron-core's
+    ``MoEAlltoAllTokenDispatcher``); the counts by all-gather (see the module docstring)."""
+
+    def __init__(self, experts: int, group: Group = None) -> None:
+        self.group, self.rank, self.n = group, dist.get_rank(group), dist.get_world_size(group)
+        self.local = local_experts(experts, self.rank, self.n)
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every rank's assignments per expert, (n, E); forward only, tagged ``counts``."""
+        out = counts.new_empty((self.n, counts.numel()))
+        with trace.tags(phase="counts"):
+            comm.all_gather(out.view(-1), counts, self.group)
+        return out
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """The rows of this rank's kept assignments, sorted by expert, sent to their experts' ranks; returns the rows
+        that arrived here (by source rank, then expert), the local expert of each, and the plan to send them back."""
+        order = routing.expert.argsort(stable=True)
+        per_rank = routing.kept.unflatten(1, (self.n, -1)).sum(2)  # (source, destination) rows
+        send, receive = per_rank[self.rank].tolist(), per_rank[:, self.rank].tolist()
+        rows = AllToAll.apply(x[routing.token[order]], receive, send, self.group)
+        mine = routing.kept[:, self.local.start : self.local.stop]
+        expert = torch.arange(self.local.start, self.local.stop, device=x.device).repeat(self.n)
+        return rows, expert.repeat_interleave(mine.reshape(-1)), (order, send, receive)
+
+    def combine(self, rows: torch.Tensor, plan: tuple) -> torch.Tensor:
+        """The inverse of :meth:`dispatch`: ``rows`` back to their source ranks, in the routing's order."""
+        order, send, receive = plan
+        back = AllToAll.apply(rows, send, receive, self.group)
+        return back[order.argsort()]
+
+    def expert_outputs(self, moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        rows, expert, plan = self.dispatch(x, routing)
+        return self.combine(moe.run_experts(rows, expert), plan)
+
+
+def shard_experts(moe: MoE, group: Group = None) -> None:
+    """Keep only this rank's experts of ``moe`` (under their single-device names) and dispatch by all-to-all."""
+    moe.dispatcher = AllToAllDispatcher(moe.cfg.experts, group)
+    for e in range(moe.cfg.experts):
+        if e not in moe.dispatcher.local:
+            del moe.experts[str(e)]
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the MoE layers' experts (each on one rank only)."""
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+
+
+class ExpertParallelStrategy(DataParallelStrategy):
+    """After backward: average the dense gradients over the ranks; divide the experts' by n (see the module
+    docstring: the all-to-all has already summed every rank's contribution into them)."""
+
+    def __init__(self, model: TinyGPT, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self.coords = {"ep": dist.get_rank()}
+        self.experts = expert_params(model)
+        held = {id(p) for p in self.experts}
+        self.dense = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
+        self.counts: list[list] = []  # per step, per layer: assignments per (source rank, expert)
+
+    def finish_gradients(self) -> None:
+        self.counts.append([block.mlp.counts.tolist() for block in self.model.blocks])
+        all_reduce_grads(self.dense, average=True)
+        n = dist.get_world_size()
+        for p in self.experts:
+            p.grad.div_(n)
+
+
+def train_expert_parallel(cfg: GPTConfig, train: TrainConfig, measure_memory: bool = True) -> dict:
+    """Rank function: the MoE tiny GPT with this rank's experts, its share of the batch. Besides the usual report,
+    ``counts``: per step and layer, the assignments per (source rank, expert) before capacity, the same on every
+    rank; the all-to-all bytes follow from them (:func:`all_to_all_bytes`), and the load per expert."""
+    model = TinyGPT(cfg, train.seed, train.torch_dtype).to(launch.rank_device())
+    for block in model.blocks:
+        shard_experts(block.mlp)
+    strategy = ExpertParallelStrategy(model, make_optimizer(model.parameters(), train))
+    report = train_loop(strategy, cfg, train, measure_memory=measure_memory)
+    return {**report, "params": final_params(model), "counts": strategy.counts}
+
+
+# ------------------------------------------------------------------------------------------------ checks, formulas
+def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
+    """An MoE model whose experts and batch split evenly over the ranks."""
+    if cfg.experts == 0:
+        raise ValueError(
+            "scheme 'ep' shards the experts of an MoE model, and this model is dense (experts=0); use "
+            f"GPTConfig(experts=E) with E a multiple of the world size {world_size}"
+        )
+    if cfg.experts % world_size:
+        raise ValueError(
+            f"{cfg.experts} experts do not split evenly over {world_size} expert-parallel ranks; use a number of "
+            f"experts that is a multiple of {world_size}, or a world size that divides {cfg.experts}"
+        )
+    check_batch_split(world_size, cfg, train, {**o, "grad_accum": 1})
+
+
+def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Every rank holds the dense parameters and E/n of each layer's experts, with their gradients and AdamW
+    states. No activations: what the experts save depends on how many tokens the router sends each rank."""
+    model = TinyGPT(cfg)
+    experts = {id(p) for p in expert_params(model)}
+    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    share = cfg.experts // world_size
+    held = sum(p.numel() for p in dense) + sum(p.numel() for p in expert_params(model)) // cfg.experts * share
+    tensors = len(dense) + len(experts) // cfg.experts * share
+    frozen = count_params(model, trainable_only=False) - count_params(model)
+    row = adamw_state_bytes(train.torch_dtype.itemsize, held, frozen, tensors)
+    return [dict(row) for _ in range(world_size)]
+
+
+def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """The collectives that do not depend on the routing: per MoE layer the all-gather of n x E int64 counts, and
+    the all-reduce of the dense gradients, 2(n-1)/n x their bytes. The all-to-alls follow from the router's counts:
+    :func:`routed_comm`."""
+    model, n = TinyGPT(cfg), world_size
+    dense = count_params(model) - sum(p.numel() for p in expert_params(model))
+    row = {
+        "all_gather": ring_factor("all_gather", n) * cfg.layers * n * cfg.experts * 8,
+        "all_reduce": ring_factor("all_reduce", n) * dense * train.torch_dtype.itemsize,
+    }
+    return [dict(row) for _ in range(n)]
+
+
+def all_to_all_bytes(counts: list, cfg: GPTConfig, train: TrainConfig) -> list[float]:
+    """Each rank's all-to-all bytes in a step whose layers routed ``counts`` (per layer, source rank x expert: one
+    step of what the rank function reports). Rank r sends the rows of its kept assignments owned by other ranks
+    (dispatch) and the rows other ranks sent it (combine), d_model elements each; backward sends the same again,
+    reversed."""
+    row_bytes = cfg.d_model * train.torch_dtype.itemsize
+    n = len(counts[0])
+    sent = [0.0] * n
+    for layer in counts:
+        kept = within_capacity(torch.tensor(layer), cfg)
+        per_rank = kept.unflatten(1, (n, -1)).sum(2)  # (source, destination) rows
+        for r in range(n):
+            away = per_rank[r].sum() - per_rank[r, r]
+            arrived = per_rank[:, r].sum() - per_rank[r, r]
+            sent[r] += 2 * float(away + arrived) * row_bytes
+    return sent
+
+
+def routed_comm(results: list[dict], cfg: GPTConfig, train: TrainConfig) -> list[dict]:
+    """Each rank's all-to-all bytes in the last step, from the counts its ranks report (:func:`all_to_all_bytes`)."""
+    return [{"all_to_all": sent} for sent in all_to_all_bytes(results[0]["counts"][-1], cfg, train)]
+
+
+SCHEMES = (
+    Scheme(
+        "ep",
+        "MoE experts split over the ranks, tokens sent to them by all-to-all",
+        train_expert_parallel,
+        validate,
+        predict_memory,
+        predict_comm,
+        axes=("ep",),
+        moe=True,
+        model_settings={"experts": 8, "top_k": 2},
+        routed_comm=routed_comm,
+    ),
+)

@@ -14,6 +14,14 @@ Rank functions with the same signature and report as the course's schemes, so th
 * :func:`train_torch_pipelining`: ``torch.distributed.pipelining`` (``PipelineStage`` driven by ``ScheduleGPipe``,
   ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) over the stages that our
   :func:`course_lib.parallel.pipeline.build_stages` cuts, as our :mod:`course_lib.parallel.pipeline`.
+* :func:`torch_all_to_all`: PyTorch's differentiable ``all_to_all_single`` (``torch.distributed.nn.functional``,
+  what torchtitan's expert-parallel dispatcher sends tokens with), a drop-in for the one our ``ep`` scheme uses
+  (``run_scheme("ep", ..., patch=TORCH_ALL_TO_ALL)``).
+* :func:`torch_head_tail_positions`: the token positions PyTorch's context parallelism gives each rank
+  (its head-tail load balancer, ``_HeadTailLoadBalancer``, private in this version), to set beside ours.
+* :func:`train_torch_context_parallel`: ``torch.distributed.tensor.experimental.context_parallel``, PyTorch's ring
+  attention around ``scaled_dot_product_attention``; it supports only the CUDA attention kernels, so it runs on
+  two or more GPUs only.
 
 Each step is tagged on the course timeline (forward, backward and optimizer spans with ``step``; per microbatch
 under pipelining), so a run's ``result.events`` time these steps as they time ours; PyTorch's collectives and
@@ -28,9 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -43,8 +54,9 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib import launch, trace
+from course_lib.comm import Group
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
-from course_lib.parallel.data import batch_shard
+from course_lib.parallel.data import all_reduce_grads, batch_shard
 from course_lib.parallel.pipeline import build_stages, stage_params
 from course_lib.parallel.schedules import validate
 from course_lib.parallel.tensor import check_tensor_parallel
@@ -285,3 +297,62 @@ def _microbatch_share(microbatches: int):
         return loss / microbatches
 
     return loss_fn
+
+
+def torch_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:
+    """Our :class:`course_lib.parallel.expert.AllToAll` done by PyTorch: ``input_splits[j]`` rows of ``x`` to rank
+    j, ``output_splits[j]`` rows from it, and the gradients back the same way. It bypasses our ledger."""
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    return all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group or dist.group.WORLD)
+
+
+TORCH_ALL_TO_ALL = ("course_lib.parallel.expert", "AllToAll.apply", torch_all_to_all)  # a run_scheme patch
+
+
+def torch_head_tail_positions(seq: int) -> torch.Tensor:
+    """Rank function: the positions 0..seq-1 sharded as PyTorch's context parallelism shards a sequence with its
+    head-tail load balancer (each rank gets chunk r and chunk 2n-1-r of 2n), on a CPU device mesh."""
+    n = dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(n)))
+    balancer = _HeadTailLoadBalancer(seq, n, torch.device("cpu"))
+    (positions,) = _context_parallel_shard(mesh, [torch.arange(seq).unsqueeze(0)], [1], load_balancer=balancer)
+    return positions.squeeze(0)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def train_torch_context_parallel(cfg: GPTConfig, train: TrainConfig) -> dict:
+    """Rank function: the tiny GPT with PyTorch's context parallelism over all ranks (Llama 3 §3.3.2; PyTorch's
+    ``context_parallel``). Each block's attention is ``scaled_dot_product_attention``, which the context shards into
+    a ring; tokens, targets and positions are split along the sequence (head-tail balanced, as ours); each rank's
+    loss is the mean over its tokens, so the gradients are averaged over the ranks, as our ``cp`` does. Reports the
+    mean loss over the ranks per step and the full parameters. Needs one CUDA device per rank (PyTorch's CP has no
+    CPU attention kernel)."""
+    device, n = launch.rank_device(), dist.get_world_size()
+    if device.type != "cuda":
+        raise RuntimeError("PyTorch's context parallelism runs only on the CUDA attention kernels; use --backend nccl")
+    mesh = DeviceMesh("cuda", list(range(n)))
+    model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(device)
+    for block in model.blocks:
+        block.attn.attend = _causal_sdpa
+    optimizer = make_optimizer(model.parameters(), train)
+    losses = []
+    for step in range(train.steps):
+        tokens, targets = (t.to(device) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
+        positions = torch.arange(cfg.seq, device=device)
+        buffers = [tokens, targets, positions]
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
+            x = model.tok_emb(tokens) + model.pos_emb[positions]
+            for block in model.blocks:
+                x = block(x)
+            loss = model.output_loss(x, targets)
+            loss.backward()
+        all_reduce_grads([p for p in model.parameters() if p.requires_grad], average=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / n)
+    return {"losses": losses, "params": final_params(model)}

@@ -1,17 +1,29 @@
 """PyTorch's own DDP, FSDP2 (``fully_shard``), tensor parallelism (``parallelize_module``, with and without
 sequence parallelism) and pipelining (``torch.distributed.pipelining``) train the tiny GPT (tied and frozen
-parameters) as the single-device reference does, and as our DP, ZeRO-3, TP/SP and pipeline do: the bridge from the
-course to production."""
+parameters) as the single-device reference does, and as our DP, ZeRO-3, TP/SP and pipeline do; PyTorch's
+differentiable all-to-all carries our expert parallelism's tokens to the same result; its context parallelism
+shards a sequence as ours does, and (on two or more GPUs) trains as ours: the bridge from the course to
+production."""
 
 import functools
 
 import pytest
+import torch
 
 from course_lib import launch
 from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
+from course_lib.parallel.context import local_positions
 from course_lib.parallel.pipeline import train_pipeline
 from course_lib.parallel.tensor import train_tensor_parallel
-from course_lib.production import train_ddp, train_dtensor_tp, train_fsdp2, train_torch_pipelining
+from course_lib.production import (
+    TORCH_ALL_TO_ALL,
+    torch_head_tail_positions,
+    train_ddp,
+    train_dtensor_tp,
+    train_fsdp2,
+    train_torch_context_parallel,
+    train_torch_pipelining,
+)
 from course_lib.schemes import run_scheme
 
 TRAIN = TrainConfig(steps=3)
@@ -82,3 +94,36 @@ def test_torch_pipelining_matches_one_device_and_ours(n, schedule, chunks):
     assert not any(result.comm)  # PyTorch's transfers bypass our ledger
     forwards = [e for e in result.events[0] if e.kind == "forward" and e.tags.get("step") == 0]
     assert len(forwards) == 4 * chunks  # one span per microbatch and chunk, tagged for the benchmarks
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_pytorchs_all_to_all_carries_our_expert_parallelism_to_the_same_result(n):
+    cfg, train = GPTConfig(experts=8, top_k=2, capacity_factor=1.0), TrainConfig(steps=2, dtype="float64")
+    theirs = run_scheme("ep", n, cfg, train, patch=TORCH_ALL_TO_ALL)
+    ours = run_scheme("ep", n, cfg, train)
+    assert theirs.report["losses"] == ours.report["losses"]
+    assert theirs.report["max_abs_param_diff"] == ours.report["max_abs_param_diff"] <= 1e-12
+    for mine, patched in zip(ours.report["ranks"], theirs.report["ranks"], strict=True):
+        assert mine["comm"]["all_to_all"]["bytes"] > 0
+        assert "all_to_all" not in patched["comm"]  # PyTorch's collective bypassed our ledger: the patch took
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_pytorchs_context_parallel_shards_a_sequence_as_ours(n):
+    theirs = launch.run(torch_head_tail_positions, n, 32)
+    assert [t.tolist() for t in theirs] == [local_positions(32, rank, n).tolist() for rank in range(n)]
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="PyTorch's context_parallel runs only on its CUDA attention kernels (flash, efficient, cuDNN); it needs "
+    "two or more GPUs, and this machine has " + str(torch.cuda.device_count()),
+)
+def test_pytorchs_context_parallel_trains_as_ours_and_one_device():
+    cfg, train = GPTConfig(), TrainConfig(steps=2)
+    result = launch.run(train_torch_context_parallel, 2, cfg, train, backend="nccl")
+    ours = run_scheme("cp", 2, cfg, train, backend="nccl").report
+    single = train_reference(cfg, train)
+    for theirs, mine, one in zip(result[0]["losses"], ours["losses"], single.losses, strict=True):
+        assert abs(theirs - one) <= 1e-5 * one and abs(theirs - mine) <= 1e-5 * one
+    assert rel_param_diff(result[0]["params"], single.params) <= 1e-4

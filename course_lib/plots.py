@@ -246,6 +246,50 @@ def plot_schedule(simulation, ax=None, title: str = "Pipeline schedule") -> plt.
     return fig
 
 
+RANK_COLORS = plt.get_cmap("tab10").colors
+
+
+def plot_ring_attention(
+    blocks: Sequence[Sequence[tuple[int, int, int, str]]], title: str = "Ring attention"
+) -> plt.Figure:
+    """One panel per ring step: the causal mask in 2n x 2n chunk blocks (query chunk down, key chunk across), each
+    block a rank computes at that step in the rank's colour, diagonal (masked) blocks hatched; the upper triangle,
+    which no one computes, stays grey. ``blocks`` per rank: :func:`course_lib.parallel.context.ring_blocks`."""
+    n = len(blocks)
+    chunks = 2 * n
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.2, 3.1), layout="constrained", squeeze=False)
+    for t, ax in enumerate(axes[0]):
+        for i in range(chunks):
+            for m in range(i + 1, chunks):
+                ax.add_patch(plt.Rectangle((m, i), 1, 1, color="0.92"))
+        for rank, rank_blocks in enumerate(blocks):
+            for step, i, m, kind in rank_blocks:
+                if step == t:
+                    hatch = "////" if kind == "diagonal" else None
+                    ax.add_patch(
+                        plt.Rectangle((m, i), 1, 1, facecolor=RANK_COLORS[rank], edgecolor="white", hatch=hatch)
+                    )
+        ax.set_xlim(0, chunks)
+        ax.set_ylim(chunks, 0)
+        ax.set_aspect("equal")
+        ax.set_xticks([c + 0.5 for c in range(chunks)], range(chunks), fontsize=7)
+        ax.set_yticks([c + 0.5 for c in range(chunks)], range(chunks), fontsize=7)
+        ax.set_xlabel("key chunk", fontsize=8)
+        ax.set_title(f"ring step {t}", fontsize=9)
+    axes[0][0].set_ylabel("query chunk", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=RANK_COLORS[r]) for r in range(n)]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.3", hatch="////"))
+    axes[0][-1].legend(
+        handles,
+        [f"rank {r}" for r in range(n)] + ["diagonal (masked)"],
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        fontsize=8,
+    )
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def plot_memory(
     measured: Sequence[dict],
     predicted: Sequence[dict] | None = None,

@@ -62,6 +62,24 @@ def local_positions(seq: int, rank: int, n: int, device: torch.device | str | No
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks_of(rank, n)])
 
 
+def ring_blocks(n: int, balanced: bool = True) -> list[list[tuple[int, int, int, str]]]:
+    """What ring attention computes, per rank: (ring step, query chunk, key chunk, "full" or "diagonal") for every
+    chunk-by-chunk block of the causal mask it attends, the sequence in 2n chunks. At step t rank r holds the K/V
+    of rank (r - t) mod n. ``balanced``: rank r holds chunks r and 2n-1-r (:func:`chunks_of`); else the contiguous
+    chunks 2r and 2r+1, whose last rank computes 4n-1 blocks against the first's 3."""
+    held = [chunks_of(r, n) if balanced else (2 * r, 2 * r + 1) for r in range(n)]
+    return [
+        [
+            (t, i, m, "full" if m < i else "diagonal")
+            for t in range(n)
+            for i in held[r]
+            for m in held[(r - t) % n]
+            if m <= i
+        ]
+        for r in range(n)
+    ]
+
+
 def sequence_shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     """Rank ``rank``'s tokens of (batch, seq, ...) ``x``: chunks r and 2n-1-r of each sequence, (batch, seq/n, ...)."""
     return x.index_select(1, local_positions(x.shape[1], rank, n, x.device))

@@ -493,9 +493,9 @@ class TensorParallelGPT(TinyGPT):
                 mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
                 mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
 
-    def _positions(self, seq: int) -> torch.Tensor:
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """The position embeddings of this rank's tokens: all of them, or its sequence shard under SP."""
-        pos = self.pos_emb[:seq]
+        pos = self.positions(tokens)
         return pos.chunk(self.tp, 0)[self.tp_rank] if self.sp else pos
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -504,7 +504,7 @@ class TensorParallelGPT(TinyGPT):
         local = F.embedding((tokens - self.vocab_lo) * mine, self.tok_emb.weight) * mine.unsqueeze(-1)
         with trace.tags(layer="embedding"):
             reduce = ReduceScatterToSequence if self.sp else ReduceFromTensorParallel
-            return reduce.apply(local, self.group) + self._positions(tokens.shape[1])
+            return reduce.apply(local, self.group) + self._positions(tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, (batch, seq, vocab / t)."""

@@ -63,6 +63,7 @@ BAD = (
         (["run", "3d", "--tp", "2", "--cp", "3", "--pp", "1", "--dp", "1"], "length 32 is not a multiple of 6"),
         (["run", "3d", "--cp", "2", "--kv", "ring-all"], "invalid choice: 'ring-all'"),
         (["run", "3d", "--tp", "1", "--dp", "3"], "does not split over 3"),
+        (["run", "3d", "--tp", "2", "--cp", "2", "--dp", "2"], "tp 2 x cp 2 x pp 2 x dp 2 = 16 ranks (--pp 2 by"),
         (["run", "cp", "--cp", "3"], "sequence length 32 is not a multiple of 6"),
         (["run", "cp", "--kv", "ring-all"], "invalid choice: 'ring-all'"),
         (["run", "ep", "--experts", "6"], "6 experts do not split evenly over 4 expert-parallel ranks"),

@@ -20,12 +20,17 @@ GRIDS = [
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
     {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "microbatches": 2},  # ZeRO-1's buckets pad to a multiple of 4
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2},
+    # A trained position embedding: SP sums its gradient over TP; ZeRO-1 buckets it where the optimizer takes it.
+    {"tp": 2, "pp": 2, "dp": 2, "sp": True, "frozen_pos": False},
+    {"tp": 1, "pp": 2, "dp": 4, "zero": 1, "microbatches": 2, "frozen_pos": False},
 ]
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
 def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
-    run = run_scheme("3d", 8, CFG, TrainConfig(steps=2, dtype="float64"), **grid)
+    grid = dict(grid)
+    cfg = GPTConfig(layers=4, frozen_pos=grid.pop("frozen_pos", True))
+    run = run_scheme("3d", 8, cfg, TrainConfig(steps=2, dtype="float64"), **grid)
     assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
     for rank, sent, held in zip(run.report["ranks"], run.predicted_comm, run.predicted_memory, strict=True):
         assert rank["comm_by_axis"] == sent

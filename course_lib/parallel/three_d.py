@@ -231,8 +231,11 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
 
 
 def _trainable_shards(stages: dict[int, PipelineStage], t: int) -> list[tuple[int, ...]]:
-    """The shapes of the tensor-parallel shards of the trainable parameters a rank's stages hold."""
-    return [shard_shape(name, q, t) for name, q in reference_params(stages) if q.requires_grad]
+    """The shapes of the tensor-parallel shards of the trainable parameters a rank's stages hold, in the order its
+    optimizer takes them (:class:`GridSync`: the stages' parameters), which decides ZeRO-1's buckets."""
+    order = {id(q): i for i, q in enumerate(nn.ModuleList(stages.values()).parameters())}
+    named = sorted(reference_params(stages), key=lambda item: order[id(item[1])])
+    return [shard_shape(name, q, t) for name, q in named if q.requires_grad]
 
 
 def _zero1_padded(shapes: list[tuple[int, ...]], dtype: torch.dtype, dp: int) -> list[int]:
@@ -289,7 +292,7 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     step = collectives_per_step(local, micro, e, o["sp"], layers, first, last)
     out = {"tp": m * sum(ring_factor(op, t) * nbytes for *_, op, nbytes in step)}
     if o["sp"]:
-        out["tp"] += ring_factor("all_reduce", t) * sequence_parallel_grad_bytes(cfg, e, len(layers), last)
+        out["tp"] += ring_factor("all_reduce", t) * sequence_parallel_grad_bytes(cfg, e, len(layers), last, first)
     if o["cp"] > 1:
         out["cp"] = sum(kv_traffic(cfg, micro, o["cp"], e, o["kv"], len(layers) * m, t).values())
     table = generate(o["schedule"], p, m, o["chunks"])[c["pp"]]

@@ -201,6 +201,19 @@ def _world_size(args, spec, settings: dict, axis_size: int | None) -> int:
     return grid or 4
 
 
+def _grid_reason(spec, settings: dict, options: dict) -> str:
+    """For a grid, how its world size factors, naming the axes left at their defaults; else nothing."""
+    if len(spec.axes) < 2:
+        return ""
+    product = " x ".join(f"{axis} {settings[axis]}" for axis in spec.axes)
+    defaults = [f"--{axis} {settings[axis]}" for axis in spec.axes if axis not in options]
+    return (
+        f"{product} = {spec.grid_size(settings)} ranks"
+        + (f" ({', '.join(defaults)} by default)" if defaults else "")
+        + "; "
+    )
+
+
 def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
     """One flag per option of any scheme (its help names the schemes that take it), and ``--<axis>`` for each
     one-axis scheme's axis (``run tp --tp 4``: the number of ranks). A flag keeps its own name as its destination,
@@ -262,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         launch.check_world_size(world_size, args.max_ranks)
     except ValueError as err:
-        raise SystemExit(f"run {args.scheme}: {err}") from None
+        raise SystemExit(f"run {args.scheme}: {_grid_reason(spec, settings, options)}{err}") from None
     try:
         layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
         cfg, train = _model_config(args, layers_needed, spec.model_settings), _train_config(args)

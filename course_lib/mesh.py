@@ -1,10 +1,17 @@
-"""A named-axis grid of ranks (dp, pp, tp) and its process groups (Narayanan et al. 2021, "Efficient Large-Scale
-Language Model Training on GPU Clusters Using Megatron-LM", §3, "PTD-P").
+"""A named-axis grid of ranks (dp, pp, cp, tp) and its process groups (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", §3, "PTD-P"; the context-parallel axis of Llama 3,
+Grattafiori et al. 2024, §3.3.2).
 
-Ranks are numbered with tp innermost, then pp, then dp: rank = (d * P + p) * T + t. A tensor-parallel group is
-therefore T consecutive ranks, which land on one node when T divides the GPUs per node (the fast links are where
-TP talks in every layer); pipeline stages and data-parallel replicas sit further apart. Room is left for the
-expert and context axes (ep, cp) of later lessons: they slot between pp and tp.
+Ranks are numbered with tp innermost, then cp, then pp, then dp: rank = ((d * P + p) * C + c) * T + t. The axes
+are ordered by how much they talk: a tensor-parallel group (T consecutive ranks) all-reduces activations in every
+layer, so it lands on one node when T divides the GPUs per node; a context-parallel group (C x T consecutive ranks
+hold its T groups) passes K/V blocks in every layer, so it comes next, as in Megatron-LM's default order
+(tp-cp-ep-dp-pp, innermost first); pipeline stages and data-parallel replicas talk once per microbatch or per step
+and sit further apart. (Megatron puts pp outermost and dp inside it; the course keeps dp outermost, as its 3D lesson
+always had: a replica is then a block of consecutive ranks.) An axis of size 1 still has its groups, of one rank
+each, so code that reads ``mesh.groups["cp"]`` needs no special case. The expert axis (ep) of a mixture-of-experts
+model would slot in between pp and cp, where Megatron has it between cp and dp. :func:`joint_groups` builds a group
+over several axes at once, such as Megatron's dp-cp group over which context-parallel gradients are averaged.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib import comm
 
-AXES = ("dp", "pp", "tp")  # outermost first
+AXES = ("dp", "pp", "cp", "tp")  # outermost first
 
 
 def check_sizes(world_size: int, **sizes: int) -> dict[str, int]:
@@ -31,16 +38,19 @@ def check_sizes(world_size: int, **sizes: int) -> dict[str, int]:
         raise ValueError(f"every axis needs a size of at least 1, got {full}")
     product = math.prod(full.values())
     if product != world_size:
-        shown = " x ".join(f"{axis.upper()} {full[axis]}" for axis in AXES)
-        model_parallel = full["tp"] * full["pp"]
+        shown = [axis for axis in AXES if axis == "dp" or full[axis] > 1]
+        model = [axis for axis in reversed(shown) if axis != "dp"]  # the model-parallel axes, innermost first
+        model_parallel = math.prod(full[axis] for axis in model)
+        names = " x ".join(axis.upper() for axis in model)
         hint = (
-            f"with TP {full['tp']} x PP {full['pp']}, DP = {world_size // model_parallel}"
+            f"with {' x '.join(f'{axis.upper()} {full[axis]}' for axis in model)}, DP = {world_size // model_parallel}"
             if world_size % model_parallel == 0
-            else f"TP x PP = {model_parallel} must divide {world_size}"
+            else f"{names} = {model_parallel} must divide {world_size}"
         )
+        every = " x ".join(axis.upper() for axis in reversed(AXES))
         raise ValueError(
-            f"{shown} = {product} ranks, but the world has {world_size}: TP x PP x DP must equal the number of "
-            f"devices ({hint})."
+            f"{' x '.join(f'{axis.upper()} {full[axis]}' for axis in shown)} = {product} ranks, but the world has "
+            f"{world_size}: {every} must equal the number of devices ({hint})."
         )
     return full
 
@@ -61,19 +71,21 @@ def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
     return rank
 
 
-def axis_groups(axis: str, sizes: dict[str, int]) -> list[list[int]]:
-    """Every group of ``axis``: ranks that agree on all other coordinates, in increasing order."""
+def axis_groups(axis: str | tuple[str, ...], sizes: dict[str, int]) -> list[list[int]]:
+    """Every group of ``axis`` (or of several axes at once): ranks that agree on all other coordinates, in
+    increasing order."""
+    axes = (axis,) if isinstance(axis, str) else axis
     world = math.prod(sizes.values())
     groups: dict[tuple, list[int]] = {}
     for rank in range(world):
         c = coords_of(rank, sizes)
-        groups.setdefault(tuple(c[a] for a in AXES if a != axis), []).append(rank)
+        groups.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(rank)
     return list(groups.values())
 
 
 def name_of(coords: dict[str, int]) -> str:
-    """A readable name such as dp1-pp0-tp1."""
-    return "-".join(f"{axis}{coords[axis]}" for axis in AXES)
+    """A readable name such as dp1-pp0-cp0-tp1 (the axes ``coords`` has, outermost first)."""
+    return "-".join(f"{axis}{coords[axis]}" for axis in AXES if axis in coords)
 
 
 @dataclass
@@ -104,8 +116,28 @@ def build_mesh(**sizes: int) -> Mesh:
     return mesh
 
 
+def joint_axes(sizes: dict[str, int], axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``axes`` longer than one rank (or the first of them if none is): what a joint group spans."""
+    return tuple(axis for axis in axes if sizes[axis] > 1) or axes[:1]
+
+
+def joint_group(mesh: Mesh, axes: tuple[str, ...]) -> tuple[dist.ProcessGroup, list[int], str]:
+    """This rank's group over several axes at once, such as Megatron's dp-cp group (every rank must call it, with
+    the same axes): its process group, its members and its ledger name, the names of the axes it spans joined
+    (``dp-cp``); when only one of them is longer than one rank, that axis's own group under its own name."""
+    spanned = joint_axes(mesh.sizes, axes)
+    if len(spanned) == 1:
+        return mesh.groups[spanned[0]], mesh.members[spanned[0]], spanned[0]
+    name, mine = "-".join(spanned), None
+    for ranks in axis_groups(spanned, mesh.sizes):
+        group = comm.new_group(ranks, name)
+        if mesh.rank in ranks:
+            mine = group, ranks, name
+    return mine
+
+
 def to_device_mesh(sizes: dict[str, int], device_type: str = "cpu") -> DeviceMesh:
-    """The same grid as PyTorch's DeviceMesh (dims named dp, pp, tp), for its parallel APIs."""
+    """The same grid as PyTorch's DeviceMesh (dims named as :data:`AXES`), for its parallel APIs."""
     full = check_sizes(dist.get_world_size(), **sizes)
     layout = torch.arange(math.prod(full.values())).view(*(full[a] for a in AXES))
     return DeviceMesh(device_type, layout, mesh_dim_names=AXES)

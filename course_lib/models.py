@@ -273,9 +273,14 @@ class TinyGPT(nn.Module):
         self.to(dtype)
         init_weights(self, seed)
 
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The position embeddings of token ids (batch, seq): rows 0 .. seq-1 (a context-parallel rank, which holds
+        some of each sequence's tokens, reads the rows of their global positions)."""
+        return self.pos_emb[: tokens.shape[1]]
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> the residual stream (batch, seq, d_model) the first block reads."""
-        return self.tok_emb(tokens) + self.pos_emb[: tokens.shape[1]]
+        return self.tok_emb(tokens) + self.positions(tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last block's output -> logits (batch, seq, vocab), through the head tied to the embedding."""

@@ -415,7 +415,14 @@ def plot_comm(records: Sequence[CommRecord], ax=None, title: str = "Bytes sent p
     return fig
 
 
-AXIS_COLORS = {"tp": "#4C72B0", "pp": "#55A868", "embedding": "#8172B3", "dp": "#DD8452"}
+AXIS_COLORS = {
+    "tp": "#4C72B0",
+    "cp": "#C44E52",
+    "pp": "#55A868",
+    "embedding": "#8172B3",
+    "dp": "#DD8452",
+    "dp-cp": "#937860",
+}
 
 
 def plot_traffic(

@@ -126,7 +126,7 @@ def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run)
     axes = legend_labels(ax)
     assert axes == ["tp", "pp", "embedding", "dp"]
     assert ax.get_ylabel() == "bytes sent (kB)"
-    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["rank 0\ndp0-pp0-tp0", "rank 1\ndp0-pp0-tp1"]
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["rank 0\ndp0-pp0-cp0-tp0", "rank 1\ndp0-pp0-cp0-tp1"]
     for rank, (row, predicted) in enumerate(zip(grid_run.report["ranks"], grid_run.predicted_comm, strict=True)):
         bars = [p for p in ax.patches if round(p.get_x() + p.get_width() / 2) == rank]
         solid = [1e3 * p.get_height() for p in bars if not p.get_hatch()]

@@ -1,12 +1,13 @@
-"""3D parallelism on 8 CPU ranks: every composition trains like one device, each axis moves what its formula
-says (tp inside stages, pp between them, dp across replicas, the tied embedding between first and last stage), and
-each rank holds the memory its prediction says."""
+"""3D and 4D parallelism on 8 CPU ranks: every composition trains like one device, each axis moves what its formula
+says (tp inside stages, cp beside it, pp between them, dp across replicas, the tied embedding between first and last
+stage), and each rank holds the memory its prediction says."""
 
 import pytest
 
+from course_lib import launch
 from course_lib.hardware import replay
 from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig
 from course_lib.parallel.three_d import predict_axis_traffic
 from course_lib.schemes import run_scheme
 
@@ -19,12 +20,17 @@ GRIDS = [
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
     {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "microbatches": 2},  # ZeRO-1's buckets pad to a multiple of 4
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2},
+    # A trained position embedding: SP sums its gradient over TP; ZeRO-1 buckets it where the optimizer takes it.
+    {"tp": 2, "pp": 2, "dp": 2, "sp": True, "frozen_pos": False},
+    {"tp": 1, "pp": 2, "dp": 4, "zero": 1, "microbatches": 2, "frozen_pos": False},
 ]
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
 def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
-    run = run_scheme("3d", 8, CFG, TrainConfig(steps=2, dtype="float64"), **grid)
+    grid = dict(grid)
+    cfg = GPTConfig(layers=4, frozen_pos=grid.pop("frozen_pos", True))
+    run = run_scheme("3d", 8, cfg, TrainConfig(steps=2, dtype="float64"), **grid)
     assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
     for rank, sent, held in zip(run.report["ranks"], run.predicted_comm, run.predicted_memory, strict=True):
         assert rank["comm_by_axis"] == sent
@@ -36,7 +42,7 @@ def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
 def test_3d_in_float32():
     report = run_scheme("3d", 8, CFG, TrainConfig(steps=3), tp=2, pp=2, dp=2).report
     assert report["max_abs_loss_diff"] <= 1e-5 and report["rel_param_diff"] <= 1e-5
-    assert [r["coords"] for r in report["ranks"]][5] == {"dp": 1, "pp": 0, "tp": 1}
+    assert [r["coords"] for r in report["ranks"]][5] == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
 
 
 def test_axis_traffic_formula_by_hand_for_one_rank():
@@ -45,7 +51,8 @@ def test_axis_traffic_formula_by_hand_for_one_rank():
     traffic = predict_axis_traffic(
         CFG,
         TrainConfig(),
-        {"tp": 2, "pp": 2, "dp": 2, "zero": 0, "sp": False, "schedule": "1f1b", "microbatches": 4, "chunks": 1},
+        {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "kv": "ring", "zero": 0, "sp": False}
+        | {"schedule": "1f1b", "microbatches": 4, "chunks": 1},
         0,
     )
     S = e * 1 * s * h  # one microbatch's activations
@@ -63,17 +70,75 @@ def test_the_grid_on_nodes_puts_each_axis_on_its_link():
     assert run.report["bubble_fraction"] == run.report["modeled"]["bubble_fraction"]
 
 
+GRIDS_4D = [
+    {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "microbatches": 2},
+    {"tp": 2, "cp": 2, "pp": 2, "dp": 1},
+    {"tp": 2, "cp": 2, "pp": 2, "dp": 1, "sp": True},
+    {"tp": 1, "cp": 2, "pp": 2, "dp": 2, "kv": "all-gather", "zero": 1, "microbatches": 2},
+]
+
+
+@pytest.mark.parametrize("grid", GRIDS_4D, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
+def test_context_parallel_grid_trains_like_one_device_and_each_axis_moves_its_formula(grid):
+    """TP x CP (x PP x DP): float64 to 1e-12 of one device; every rank's bytes per axis, tp, cp, pp, embedding and
+    the gradients' dp-cp group (dp or cp alone when the other is 1), exactly as predicted; its model states too."""
+    run = run_scheme("3d", 8, CFG, TrainConfig(steps=2, dtype="float64"), **grid)
+    assert run.report["max_abs_loss_diff"] <= 1e-12 and run.report["max_abs_param_diff"] <= 1e-12
+    grads = "dp-cp" if grid["dp"] > 1 else "cp"
+    for rank, sent, held in zip(run.report["ranks"], run.predicted_comm, run.predicted_memory, strict=True):
+        assert rank["comm_by_axis"] == sent
+        assert sent["cp"] > 0 and sent[grads] > 0
+        assert {c: rank["memory"][c] for c in CATEGORIES} == {c: held[c] for c in CATEGORIES}
+
+
+def test_context_parallel_grid_with_trained_positions_in_float32():
+    """Each CP rank's position rows get gradients from its own global positions only; averaged over dp-cp."""
+    cfg = GPTConfig(layers=4, frozen_pos=False)
+    report = run_scheme("3d", 8, cfg, TrainConfig(steps=3), tp=2, cp=2, pp=1, dp=2, microbatches=2).report
+    assert report["max_abs_loss_diff"] <= 1e-5 and report["rel_param_diff"] <= 1e-5
+    assert report["losses"][-1] < report["losses"][0]
+    assert [r["coords"] for r in report["ranks"]][6] == {"dp": 1, "pp": 0, "cp": 1, "tp": 0}
+
+
+def test_context_parallel_axis_traffic_by_hand_for_one_rank():
+    """Rank 0 of TP 2 x CP 2 x DP 2, fp32, batch 8, 4 microbatches (1 sequence each, 16 of its 32 tokens)."""
+    s, h, e, layers = CFG.seq, CFG.d_model, 4, CFG.layers
+    o = {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "kv": "ring", "zero": 0, "sp": False}
+    traffic = predict_axis_traffic(CFG, TrainConfig(), o | {"schedule": "1f1b", "microbatches": 4, "chunks": 1}, 0)
+    S = e * 1 * (s // 2) * h  # one microbatch's activations, this rank's half of the tokens
+    assert traffic["tp"] == 4 * (layers * 4 + 2) * (2 * 1 / 2) * S + 4 * 3 * (2 * 1 / 2) * e * (s // 2)
+    block = e * 2 * 1 * (s // 2) * (h // 2)  # K and V of its 16 tokens and 2 of the 4 heads
+    assert traffic["cp"] == 4 * layers * 2 * (2 - 1) * block  # per microbatch and layer: one send each way
+    replicated = 6 * h * layers + 2 * h  # LayerNorms and row-parallel biases, whole on both TP ranks
+    tp_shard = (sum(p.numel() for p in TinyGPT(CFG).parameters() if p.requires_grad) - replicated) // 2 + replicated
+    assert traffic["dp-cp"] == 2 * 3 / 4 * e * tp_shard  # every gradient, averaged over the 4 ranks of dp x cp
+    assert set(traffic) == {"tp", "cp", "dp-cp"}
+
+
 @pytest.mark.parametrize(
     ("grid", "message"),
     [
         ({"tp": 2, "pp": 2, "dp": 1}, "DP 1 x PP 2 x TP 2 = 4 ranks, but the world has 8.*with TP 2 x PP 2, DP = 2"),
         ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, "ZeRO-1 at most"),
-        ({"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}, "zb-h1 with tensor parallelism"),
+        ({"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}, "zb-h1 with tensor or context parallelism"),
+        ({"tp": 1, "cp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}, "zb-h1 with tensor or context parallelism"),
         ({"tp": 1, "pp": 8, "dp": 1, "microbatches": 8}, "8 pipeline stages \\(ranks x chunks\\) for 4 layers"),
         ({"tp": 2, "pp": 8, "dp": 1}, "TP x PP = 16 must divide 8"),
         ({"tp": 1, "pp": 2, "dp": 4}, "does not split into 4 equal microbatches"),
+        (
+            {"tp": 2, "cp": 2, "pp": 2, "dp": 2},
+            "DP 2 x PP 2 x CP 2 x TP 2 = 16 ranks, but the world has 8: TP x CP x PP x DP must equal the number of "
+            "devices \\(with TP 2 x CP 2 x PP 2, DP = 1\\)",
+        ),
+        ({"tp": 2, "cp": 3, "pp": 1, "dp": 1}, "TP x CP = 6 must divide 8"),
+        ({"tp": 1, "cp": 8, "pp": 1, "dp": 1, "seq": 24}, "sequence length 24 is not a multiple of 16"),
+        ({"tp": 8, "cp": 1, "pp": 1, "dp": 1}, "tensor-parallel degree 8 does not divide the heads = 4"),
+        ({"tp": 4, "cp": 2, "pp": 1, "dp": 1, "sp": True, "seq": 36}, "each rank's 18 tokens .* over TP 4"),
+        ({"tp": 2, "cp": 2, "pp": 1, "dp": 2, "kv": "allgather"}, "kv must be one of \\['all-gather', 'ring'\\]"),
     ],
 )
-def test_impossible_grids_are_refused_before_any_rank_starts(grid, message):
+def test_impossible_grids_are_refused_before_any_rank_starts(grid, message, monkeypatch):
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a rank started"))
+    cfg = GPTConfig(layers=4, seq=grid.pop("seq", CFG.seq))
     with pytest.raises(ValueError, match=message):
-        run_scheme("3d", 8, CFG, **grid)
+        run_scheme("3d", 8, cfg, **grid)

@@ -19,14 +19,18 @@ early, one late; the "zigzag" layout of ring-flash-attention and PyTorch's conte
 "Striped Attention", balance by striping tokens instead): every rank then computes 2N+1 chunk-by-chunk blocks. Per
 pair of (query chunk i, key chunk m): m < i is a full block, m = i the diagonal (causal mask), m > i skipped.
 
-**Backward.** Each ring step is one differentiable operator, :class:`RingPass`: forward it sends the K/V block it
-got to the next rank and receives the previous rank's; backward it sends the gradient of what it received back to
-the previous rank and receives the gradient of what it sent from the next one. So autograd differentiates the
-blockwise attention and the merge as ordinary operators, and dK/dV travel the ring backwards: per layer and per
-pass N-1 messages of 2 x (b, s/N, h), the backward exactly mirroring the forward. The price of this design against
-Liu et al.'s own backward (which re-circulates K/V instead): each rank keeps every K/V block it received for
-backward, the whole sequence's K and V, as the all-gather variant does too. The all-gather variant's backward is
-a reduce-scatter of the gathered blocks' gradients to their owners.
+**Backward.** Each ring step is a pair of differentiable operators, :class:`PostRing` and :class:`WaitRing`:
+forward, the first posts the send of the block in hand to the next rank and the receive of the previous rank's, the
+attention to the block in hand runs, and the second waits (Liu et al. 2023, §3: communication overlapped with
+blockwise compute); backward, :class:`WaitRing` posts the send of the received block's gradient back to the
+previous rank and the receive of the gradient of the block it sent on, the attention backward of the block in hand
+runs, and :class:`PostRing` waits. So autograd differentiates the blockwise attention and the merge as ordinary
+operators, and dK/dV travel the ring backwards: per layer and per pass N-1 messages of 2 x (b, s/N, h), the backward
+exactly mirroring the forward, each in flight while the rank computes (the program records the compute between
+each Issue and its Wait, so :func:`course_lib.hardware.replay` hides it). The price of this design against Liu et
+al.'s own backward (which re-circulates K/V instead): each rank keeps every K/V block it received for backward, the
+whole sequence's K and V, as the all-gather variant does too. The all-gather variant's backward is a reduce-scatter
+of the gathered blocks' gradients to their owners.
 
 **Loss.** Each rank's loss is the mean cross-entropy of its own b x s/N tokens; all ranks hold equally many, so
 the mean of the ranks' means is the single device's mean, and averaging the gradients over the group (the
@@ -48,7 +52,7 @@ from course_lib.memory import adamw_state_bytes
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.interface import Option, Scheme
-from course_lib.parallel.tensor import all_gather_along
+from course_lib.parallel.tensor import TensorParallelGPT, all_gather_along
 
 
 def chunks_of(rank: int, n: int) -> tuple[int, int]:
@@ -92,29 +96,60 @@ def _peer(group: Group, offset: int) -> int:
     return dist.get_global_rank(group, peer) if group is not None else peer
 
 
-def _shift(x: torch.Tensor, group: Group, offset: int) -> torch.Tensor:
-    """Send ``x`` to the rank ``offset`` ahead on the ring and return what the rank ``offset`` behind sent."""
-    x, out = x.contiguous(), torch.empty_like(x)
-    handles = [comm.isend(x, _peer(group, offset), group), comm.irecv(out, _peer(group, -offset), group)]
-    for handle in handles:
-        handle.wait()
-    return out
+class RingStep:
+    """One ring step's send and receive in flight, shared by the two operators that start and finish it."""
+
+    def __init__(self, group: Group) -> None:
+        self.group, self.layer = group, trace.current_tags().get("layer")
+        self.handles: list[comm.Handle] = []
+
+    def post(self, x: torch.Tensor, offset: int, direction: str) -> torch.Tensor:
+        """Post the send of ``x`` to the rank ``offset`` ahead on the ring and the receive of what the rank
+        ``offset`` behind sends; returns the receive buffer, to be read only after :meth:`wait`."""
+        x, out = x.contiguous(), torch.empty_like(x)
+        with trace.tags(direction=direction, **({"layer": self.layer} if self.layer is not None else {})):
+            self.handles = [
+                comm.isend(x, _peer(self.group, offset), self.group),
+                comm.irecv(out, _peer(self.group, -offset), self.group),
+            ]
+        return out
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
 
 
-class RingPass(torch.autograd.Function):
-    """One ring step: forward, pass a K/V block to the next rank and take the previous rank's; backward, pass the
-    gradient of the block taken back to the previous rank and take the gradient of the block passed on."""
+class PostRing(torch.autograd.Function):
+    """Start a ring step: forward, post the send of a K/V block to the next rank and the receive of the previous
+    rank's (the result is filled once :class:`WaitRing` has waited); backward, wait for the gradient that
+    :class:`WaitRing`'s backward posted: this block's gradient, from the rank it was sent to."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.layer = group, trace.current_tags().get("layer")
-        with trace.tags(direction="forward"):
-            return _shift(x, group, 1)
+    def forward(ctx, x, step):
+        ctx.step = step
+        return step.post(x, 1, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        with trace.tags(direction="backward", layer=ctx.layer):
-            return _shift(grad, ctx.group, -1), None
+        ctx.step.wait()
+        return grad, None
+
+
+class WaitRing(torch.autograd.Function):
+    """Finish a ring step: forward, wait until the block :class:`PostRing` posted has arrived; backward, post the
+    send of its gradient back to the previous rank and the receive of the gradient of the block this rank sent on,
+    which :class:`PostRing`'s backward waits for."""
+
+    @staticmethod
+    def forward(ctx, received, step):
+        ctx.step = step
+        step.wait()
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.step.post(grad, -1, "backward"), None
 
 
 class GatherKV(torch.autograd.Function):
@@ -156,22 +191,31 @@ def merge(a: Partial, b: Partial) -> Partial:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Causal attention of this rank's tokens to the whole sequence, each rank holding chunks r and 2N-1-r of it
-    (:func:`sequence_shard`): q, k, v are (batch, heads, 2c, head_dim); the K/V blocks go around the ring
-    (:class:`RingPass`, N-1 steps) and each query chunk merges the blocks it may see (Liu et al. 2023, §3)."""
+    (:func:`sequence_shard`): q, k, v are (batch, heads, 2c, head_dim); the K/V blocks go around the ring in N-1
+    steps and each query chunk merges the blocks it may see (Liu et al. 2023, §3).
+
+    Each step overlaps its communication with compute, as Liu et al. do (§3, "overlapping communication with
+    computation"): the next block's send and receive are posted (:class:`PostRing`) before the attention to the
+    block in hand and waited for after it (:class:`WaitRing`). Backward mirrors it: a block's gradient is posted
+    before the attention backward of the block the rank held one step earlier and waited for after it, because
+    autograd runs, among the nodes ready, the one created last first (here: the wait's backward, which posts)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     q = q * (1.0 / math.sqrt(q.shape[-1]))
     diagonal = torch.ones(q.shape[-2] // 2, q.shape[-2] // 2, dtype=torch.bool, device=q.device).triu(1)
     kv = torch.stack([k, v])
     done: list[Partial | None] = [None, None]  # per local query chunk
     for step in range(n):
-        if step:
-            kv = RingPass.apply(kv, group)
+        if step < n - 1:
+            in_flight = RingStep(group)
+            incoming = PostRing.apply(kv, in_flight)
         held = zip(kv[0].chunk(2, -2), kv[1].chunk(2, -2), chunks_of((r - step) % n, n), strict=True)
         for k_chunk, v_chunk, m in held:
             for slot, (q_chunk, i) in enumerate(zip(q.chunk(2, -2), chunks_of(r, n), strict=True)):
                 if m <= i:
                     block = attend_block(q_chunk, k_chunk, v_chunk, diagonal if m == i else None)
                     done[slot] = block if done[slot] is None else merge(done[slot], block)
+        if step < n - 1:
+            kv = WaitRing.apply(incoming, in_flight)
     return torch.cat([out for out, _ in done], dim=-2)
 
 
@@ -191,7 +235,29 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
 ATTENTION = {"ring": ring_attention, "all-gather": all_gather_attention}
 
 
-class ContextParallelGPT(TinyGPT):
+class GlobalPositions:
+    """For a model of the tiny GPT's family (:class:`course_lib.models.TinyGPT`) whose blocks attend over a
+    context-parallel group (:func:`attend_over`): its tokens' position embeddings at their global positions."""
+
+    cfg: GPTConfig
+    pos_emb: torch.Tensor
+    cp: int
+    cp_rank: int
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.pos_emb[local_positions(self.cfg.seq, self.cp_rank, self.cp, tokens.device)]
+
+
+def attend_over(model: TinyGPT, group: Group, kv: str) -> None:
+    """Make every block of ``model`` attend over the context-parallel ``group`` by ``kv`` ("ring" or
+    "all-gather"); the model learns its place in the group (``cp``, ``cp_rank``)."""
+    model.cp, model.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    check_context_parallel(model.cfg, model.cp, kv)
+    for block in model.blocks:
+        block.attn.attend = functools.partial(ATTENTION[kv], group=group)
+
+
+class ContextParallelGPT(GlobalPositions, TinyGPT):
     """The tiny GPT on this rank's share of each sequence (:func:`sequence_shard`), all parameters whole: the
     position embedding read at global positions, attention by ``kv`` ("ring" or "all-gather") over ``group``."""
 
@@ -199,15 +265,27 @@ class ContextParallelGPT(TinyGPT):
         self, cfg: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, group: Group = None, kv: str = "ring"
     ) -> None:
         super().__init__(cfg, seed, dtype)
-        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        check_context_parallel(cfg, self.cp, kv)
-        for block in self.blocks:
-            block.attn.attend = functools.partial(ATTENTION[kv], group=group)
+        attend_over(self, group, kv)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's token ids (batch, seq/N) -> their residual stream, each at its global position."""
-        positions = local_positions(self.cfg.seq, self.cp_rank, self.cp, tokens.device)
-        return self.tok_emb(tokens) + self.pos_emb[positions]
+
+class TensorContextParallelGPT(GlobalPositions, TensorParallelGPT):
+    """The tensor-parallel GPT (:class:`course_lib.parallel.tensor.TensorParallelGPT`, over ``group``) on this
+    rank's share of each sequence: its heads of every block attend over the context-parallel ``cp_group``, so a
+    rank holds its TP shard of the heads and its CP chunks of the tokens; under ``sp`` the TP group further splits
+    those tokens (Megatron-LM's composition of TP, SP and CP; Llama 3 §3.3.2)."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        group: Group = None,
+        sp: bool = False,
+        cp_group: Group = None,
+        kv: str = "ring",
+    ) -> None:
+        super().__init__(cfg, seed, dtype, group, sp)
+        attend_over(self, cp_group, kv)
 
 
 def context_parallel_batch(strategy: Replicated, grad_accum: int, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -261,9 +339,22 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
         )
 
 
-def kv_block_bytes(cfg: GPTConfig, micro_batch: int, world_size: int, element_size: int) -> int:
-    """One rank's stacked K and V of one layer for one micro-batch: 2 x (b, s/N, h) elements."""
-    return element_size * 2 * micro_batch * cfg.seq // world_size * cfg.d_model
+def kv_block_bytes(cfg: GPTConfig, micro_batch: int, world_size: int, element_size: int, tp: int = 1) -> int:
+    """One rank's stacked K and V of one layer for one micro-batch: 2 x (b, s/N, h) elements (h/t of them: the
+    rank's heads, inside a tensor-parallel group of ``tp``)."""
+    return element_size * 2 * micro_batch * cfg.seq // world_size * cfg.d_model // tp
+
+
+def kv_traffic(cfg: GPTConfig, micro_batch: int, n: int, element_size: int, kv: str, passes: int, tp: int = 1) -> dict:
+    """Bytes a rank of a context-parallel group of ``n`` sends, by op, for ``passes`` forward and backward passes of
+    one layer over micro-batches of ``micro_batch`` sequences, with B = :func:`kv_block_bytes`: ring, N-1 sends of B
+    forward and N-1 of their gradients backward (receives send nothing); all-gather, an all-gather of the N blocks
+    (N B bytes) forward and a reduce-scatter of their gradients backward, each (N-1)/N x N B."""
+    block = kv_block_bytes(cfg, micro_batch, n, element_size, tp)
+    if kv == "ring":
+        return {"send": float(2 * (n - 1) * block * passes), "recv": 0.0} if n > 1 else {}
+    gathered = ring_factor("all_gather", n) * n * block * passes
+    return {"all_gather": gathered, "reduce_scatter": gathered}
 
 
 def _ring_slot_elements(blocks: int, b: int, heads: int, c: int, h: int) -> int:
@@ -323,18 +414,10 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Per rank and step, for each layer and micro-batch, with B = 2 e (b/accum) (s/N) h the bytes of a rank's K
-    and V: ring, N-1 sends of B forward and N-1 of their gradients backward (receives send nothing); all-gather, an
-    all-gather of the N blocks (N B bytes) forward and a reduce-scatter of their gradients backward, each
-    (N-1)/N x N B. Then the all-reduce of the gradients, 2(N-1)/N x e P."""
+    """Per rank and step, for each layer and micro-batch, the K/V traffic of :func:`kv_traffic`; then the
+    all-reduce of the gradients, 2(N-1)/N x e P."""
     n, e, accum = world_size, train.torch_dtype.itemsize, o["grad_accum"]
-    block = kv_block_bytes(cfg, train.batch // accum, n, e)
-    passes = cfg.layers * accum
-    if o["kv"] == "ring":
-        row = {"send": float(2 * (n - 1) * block * passes), "recv": 0.0} if n > 1 else {}
-    else:
-        gathered = ring_factor("all_gather", n) * n * block * passes
-        row = {"all_gather": gathered, "reduce_scatter": gathered}
+    row = kv_traffic(cfg, train.batch // accum, n, e, o["kv"], cfg.layers * accum)
     row["all_reduce"] = ring_factor("all_reduce", n) * e * count_params(TinyGPT(cfg))
     return [dict(row) for _ in range(n)]
 

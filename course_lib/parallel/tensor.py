@@ -493,9 +493,9 @@ class TensorParallelGPT(TinyGPT):
                 mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
                 mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
 
-    def _positions(self, seq: int) -> torch.Tensor:
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """The position embeddings of this rank's tokens: all of them, or its sequence shard under SP."""
-        pos = self.pos_emb[:seq]
+        pos = self.positions(tokens)
         return pos.chunk(self.tp, 0)[self.tp_rank] if self.sp else pos
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -504,7 +504,7 @@ class TensorParallelGPT(TinyGPT):
         local = F.embedding((tokens - self.vocab_lo) * mine, self.tok_emb.weight) * mine.unsqueeze(-1)
         with trace.tags(layer="embedding"):
             reduce = ReduceScatterToSequence if self.sp else ReduceFromTensorParallel
-            return reduce.apply(local, self.group) + self._positions(tokens.shape[1])
+            return reduce.apply(local, self.group) + self._positions(tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, (batch, seq, vocab / t)."""
@@ -539,11 +539,13 @@ def unshard(name: str, p: torch.Tensor, group: Group, hidden: int) -> torch.Tens
 
 
 def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters applied to sequence shards (LayerNorms, row-parallel biases): under SP each rank's
-    gradient covers its shard only, so the tensor-parallel group must sum them."""
+    """Replicated parameters applied to sequence shards (LayerNorms, row-parallel biases, and a trained position
+    embedding, each rank adding the rows of its shard): under SP each rank's gradient covers its shard only, so the
+    tensor-parallel group must sum them."""
     rows = [m.bias for m in module.modules() if isinstance(m, RowParallelLinear)]
     norms = [p for m in module.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
-    return rows + norms
+    positions = [p for name, p in module.named_parameters() if name.endswith("pos_emb") and p.requires_grad]
+    return rows + norms + positions
 
 
 def sharding(name: str) -> str | None:
@@ -601,10 +603,14 @@ def collectives_per_step(
     return out
 
 
-def sequence_parallel_grad_bytes(cfg: GPTConfig, element_size: int, layers: int, last: bool = True) -> int:
+def sequence_parallel_grad_bytes(
+    cfg: GPTConfig, element_size: int, layers: int, last: bool = True, first: bool = True
+) -> int:
     """Bytes of the gradients SP sums over the group after backward: per layer two LayerNorms (4h) and two
-    row-parallel biases (2h), and the final LayerNorm (2h) on the stage that holds it."""
-    return element_size * (6 * cfg.d_model * layers + 2 * cfg.d_model * last)
+    row-parallel biases (2h), the final LayerNorm (2h) on the stage that holds it, and a trained position embedding
+    (s x h) on the stage that embeds."""
+    positions = cfg.seq * cfg.d_model * (first and not cfg.frozen_pos)
+    return element_size * (6 * cfg.d_model * layers + 2 * cfg.d_model * last + positions)
 
 
 def _shard(w: torch.Tensor, dim: int, r: int, t: int) -> torch.Tensor:

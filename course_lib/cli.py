@@ -49,8 +49,45 @@ def _say(args, text: str = "") -> None:
 
 
 # ------------------------------------------------------------------------------------------------ memory
+EXPERT_FLAGS = ("top_k", "expert_ffn", "shared_experts", "dense_layers")
+
+
+def _experts(args: argparse.Namespace) -> dict:
+    """The mixture-of-experts settings of ``memory`` (expert parameters, ep, the FFN width a token passes
+    through), refused with what to change when they do not go together."""
+    if args.experts is None:
+        given = [f"--{flag.replace('_', '-')}" for flag in EXPERT_FLAGS if getattr(args, flag) is not None]
+        if args.ep > 1 or given:
+            flags = ", ".join(([f"--ep {args.ep}"] if args.ep > 1 else []) + given)
+            raise SystemExit(f"memory: {flags} without --experts: give the number of routed experts (--experts E)")
+        return {"cp": args.cp}
+    from course_lib.plan import Experts
+
+    missing = [f for f, v in (("--top-k", args.top_k), ("--expert-ffn", args.expert_ffn)) if v is None]
+    missing += [
+        f for f, v in (("--params", args.params), ("--layers", args.layers), ("--hidden", args.hidden)) if v is None
+    ]
+    if missing:
+        raise SystemExit(
+            f"memory: --experts needs {', '.join(missing)} (--params counts all parameters, experts included; the "
+            "experts' share comes from --layers, --hidden and --expert-ffn)"
+        )
+    experts = Experts(args.experts, args.top_k, args.expert_ffn, args.shared_experts or 0, args.dense_layers or 0)
+    try:
+        experts.check(args.layers, args.ep)
+    except ValueError as err:
+        raise SystemExit(f"memory: {err}") from None
+    return {
+        "expert_params": experts.routed_params(args.layers, args.hidden),
+        "ep": args.ep,
+        "cp": args.cp,
+        "ffn": experts.token_ffn,
+    }
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     dims = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
+    moe = _experts(args)
     if args.params is None:
         if args.layers is None or args.hidden is None or args.vocab is None:
             raise SystemExit("memory: give --params N, or the model dims --layers, --hidden and --vocab")
@@ -70,20 +107,23 @@ def cmd_memory(args: argparse.Namespace) -> int:
             sp=args.sp,
             recompute=args.recompute,
             **(dims if with_activations else {}),
+            **moe,
         )
     except ValueError as err:
         raise SystemExit(f"memory: {err}") from None
+    axes = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
     data = {
         "params": params,
         "precision": args.precision,
         "zero": args.zero,
-        "dp": args.dp,
-        "tp": args.tp,
-        "pp": args.pp,
+        **axes,
+        "expert_params": moe.get("expert_params", 0),
         "bytes_per_device": result,
     }
     _write_json(data, args.json)
-    _say(args, f"{params:,.0f} parameters, {args.precision}, ZeRO-{args.zero}, dp={args.dp} tp={args.tp} pp={args.pp}")
+    layout = " ".join(f"{k}={v}" for k, v in axes.items() if k in ("dp", "tp", "pp") or v > 1)
+    experts = f" ({moe['expert_params']:,.0f} in routed experts)" if "expert_params" in moe else ""
+    _say(args, f"{params:,.0f} parameters{experts}, {args.precision}, ZeRO-{args.zero}, {layout}")
     for key in (*CATEGORIES, "activations", "total"):
         _say(args, f"  {key:<12} {result[key] / 1e9:12.3f} GB")
     if not with_activations:
@@ -493,7 +533,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     nodes = -(-result.gpus // result.gpus_per_node)
     _say(
         args,
-        f"{model.name}: {model.params / 1e9:.1f}B parameters on {result.gpus} GPUs ({nodes} node"
+        f"{model.name}: {model.params / 1e9:.1f}B parameters"
+        + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
+        + f" on {result.gpus} GPUs ({nodes} node"
         f"{'s' * (nodes > 1)} of {result.gpus_per_node}, {result.hardware}, {result.gpu_mem_bytes / 1e9:g} GB each)",
     )
     _say(
@@ -573,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     for axis in ("dp", "tp", "pp"):
         mem.add_argument(f"--{axis}", type=_positive_int, default=1)
+    mem.add_argument("--cp", type=_positive_int, default=1, help="context parallel: the sequence split over cp ranks")
+    mem.add_argument("--ep", type=_positive_int, default=1, help="expert parallel (with --experts), within tp*cp*dp")
+    mem.add_argument("--experts", type=_positive_int, help="routed experts per MoE layer (a mixture of experts)")
+    mem.add_argument("--top-k", type=_positive_int, help="experts each token visits (with --experts)")
+    mem.add_argument("--expert-ffn", type=_positive_int, help="one expert's FFN width (SwiGLU; with --experts)")
+    mem.add_argument("--shared-experts", type=_natural, help="experts every token visits (default 0)")
+    mem.add_argument("--dense-layers", type=_natural, help="first layers without experts (default 0)")
     mem.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     mem.add_argument("--recompute", choices=RECOMPUTE, default="none")
     mem.set_defaults(func=cmd_memory)

@@ -8,6 +8,8 @@ issued and waited for, in order) is replayed by a small discrete-event simulatio
   (a communicator runs its collectives in order), and takes the ring time on the slowest link of the group:
   (bytes a rank sends) / (link bandwidth) + (ring steps) x (link latency), the link being NVLink-class when all
   members share a node and the inter-node network otherwise (ranks fill nodes in order, ``gpus_per_node`` each);
+  an all-to-all (expert parallelism's dispatch and combine) takes the bytes its busiest member sends to its n-1
+  peers over that link, plus n-1 latencies (:func:`collective_time`);
 * a point-to-point message starts when both the send and the receive are posted;
 * a rank that waits for a collective blocks until it is done; an async collective overlaps the compute issued
   between it and its wait.
@@ -59,6 +61,24 @@ PROFILES = {
             "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s InfiniBand for the compute fabric)",
         ),
     ),
+    "h800": HardwareProfile(
+        name="h800",
+        description="8x H800 SXM5 80 GB (the H100's export variant: same compute, NVLink cut to 400 GB/s), one "
+        "400 Gb/s InfiniBand NIC per GPU: DeepSeek-V3's cluster",
+        peak_flops={"bf16": 989e12, "fp32": 67e12},  # the H100 SXM5's dense peaks: same die and clocks
+        memory_bytes=80e9,
+        gpus_per_node=8,
+        intra_bandwidth=160e9,  # what DeepSeek-V3 reports achieving over NVLink, per GPU
+        intra_latency_s=2e-6,
+        inter_bandwidth=50e9,  # 400 Gb/s per GPU, as DeepSeek-V3 reports it: NVLink is 3.2x faster
+        inter_latency_s=5e-6,
+        sources=(
+            "DeepSeek-AI 2024 (DeepSeek-V3 technical report), §3.2.2: 2,048 H800 GPUs, 8 per node over NVLink and "
+            "NVSwitch, InfiniBand between nodes; NVLink 160 GB/s vs IB 50 GB/s, about 3.2x",
+            "H800 SXM5: the H100 SXM5's compute (BF16 989 TFLOPS dense, FP32 67 TFLOPS) and 80 GB HBM3, NVLink "
+            "400 GB/s",
+        ),
+    ),
     "a100": HardwareProfile(
         name="a100",
         description="DGX A100: 8x A100 SXM4 80 GB, NVLink 3 / NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU",
@@ -100,7 +120,8 @@ def get_profile(name: str) -> HardwareProfile:
 
 
 def ring_steps(op: str, n: int) -> int:
-    """Latency terms a ring pays: n-1 steps per reduce-scatter or all-gather half, one per message."""
+    """Latency terms a collective pays: n-1 steps per reduce-scatter or all-gather half (a ring), n-1 for an
+    all-to-all (one message to each of the n-1 peers), one per message."""
     if op in ("send", "recv"):
         return 1
     if n <= 1:
@@ -117,7 +138,13 @@ def link(profile: HardwareProfile, ranks, gpus_per_node: int) -> tuple[float, fl
 
 
 def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring time: the bytes one rank sends over the link's bandwidth, plus one latency per ring step."""
+    """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_steps`).
+
+    For a ring collective the bytes are the ring's (:func:`course_lib.comm.ring_factor`). For an all-to-all they
+    are what the rank sends to its n-1 peers (uneven under routing: the ledger records each rank's own rows sent to
+    others, and :func:`replay` times the group by its busiest sender); the group's slowest link bounds it, so an
+    all-to-all whose group spans nodes runs at the inter-node bandwidth (GShard, Lepikhin et al. 2021, §3.2;
+    DeepSeek-V3 §3.2.2: across nodes over InfiniBand, 3.2x slower than NVLink on H800s)."""
     return sent_bytes / bandwidth + ring_steps(op, n) * latency
 
 

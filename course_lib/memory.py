@@ -11,8 +11,10 @@ Measured (:class:`MemoryMeter`), deduplicated by storage so a tied or viewed ten
   allocator's own ``max_memory_allocated`` is reported beside it as ``cuda_peak``).
 
 Predicted: bytes per parameter (fp32 Adam 4+4+8 = 16; mixed precision 2+2+12 = 16), divided by ZeRO stage over D
-data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3) and by tensor and pipeline parallel degrees, and activation
-bytes per transformer layer (Korthikanti et al. 2022, §4, Table 2), plus the exact count for our tiny GPT.
+data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3) and by tensor and pipeline parallel degrees (routed experts
+by expert and pipeline parallel degrees, ZeRO over the expert-data-parallel group), and activation bytes per
+transformer layer (Korthikanti et al. 2022, §4, Table 2; split by context parallelism), plus the exact count for our
+tiny GPT.
 """
 
 from __future__ import annotations
@@ -234,24 +236,60 @@ class _SavedRef:
 
 # ------------------------------------------------------------------------------------------------ formulas
 def model_state_formula(
-    params: float, precision: str = "fp32", zero: int = 0, dp: int = 1, tp: int = 1, pp: int = 1
+    params: float,
+    precision: str = "fp32",
+    zero: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    expert_params: float = 0.0,
+    ep: int = 1,
+    cp: int = 1,
 ) -> dict[str, float]:
-    """Predicted model-state bytes per device for ``params`` parameters.
+    """Predicted model-state bytes per device for ``params`` parameters, ``expert_params`` of them in routed experts.
 
-    Tensor and pipeline parallelism split every parameter tensor over ``tp * pp`` devices; ZeRO then divides, over
-    the ``dp`` data-parallel ranks, the optimizer state (stage 1, P_os), also the gradients (stage 2, P_os+g) and
-    also the parameters (stage 3, P_os+g+p) — Rajbhandari et al. 2020, §5.1 and Figure 1.
+    Dense parameters: tensor and pipeline parallelism split every tensor over ``tp * pp`` devices; ZeRO then
+    divides, over the ``dp * cp`` ranks that hold the same shard, the optimizer state (stage 1, P_os), also the
+    gradients (stage 2, P_os+g) and also the parameters (stage 3, P_os+g+p) — Rajbhandari et al. 2020, §5.1 and
+    Figure 1. Context-parallel ranks hold the same weights and average their gradients, so ZeRO shards over them
+    too (Megatron-core's distributed optimizer uses the data-parallel group *with* context parallelism).
+
+    Routed experts (GShard, Lepikhin et al. 2021, §2.2; Switch Transformers, Fedus et al. 2022, §2.2): each of the
+    ``ep`` expert-parallel ranks holds whole experts, ``1/ep`` of those of its stage's layers, not split by TP
+    (expert tensor parallelism 1, as DeepSeek-V3, which has no TP at all, §3.2). The expert-parallel group is
+    carved out of a stage's ``tp * cp * dp`` ranks, so each expert is replicated over the *expert-data-parallel*
+    group of ``tp * cp * dp / ep`` ranks, and that is the group ZeRO shards expert states over (Megatron-core's
+    MoE "parallel folding", Liu et al. 2025, §3; DeepSpeed-MoE's expert-data-parallel groups; DeepSeek-V3's 2,048
+    GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2).
     """
     if precision not in BYTES_PER_PARAM:
         raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, not {precision!r}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
-    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if degree < 1:
             raise ValueError(f"{name} must be at least 1, not {degree}")
-    per_rank = params / (tp * pp)
+    if not 0 <= expert_params <= params:
+        raise ValueError(f"expert parameters must be between 0 and all {params:g} parameters, not {expert_params:g}")
+    if ep > 1 and not expert_params:
+        raise ValueError(f"ep {ep} needs experts to split: give the experts (expert parallelism shards only them)")
+    if (tp * cp * dp) % ep:
+        raise ValueError(
+            f"the expert-parallel group is carved out of a stage's tp x cp x dp = {tp * cp * dp} ranks: ep {ep} "
+            f"does not divide it; choose an ep that does"
+        )
+    dense = _sharded_states(params - expert_params, precision, zero, tp * pp, dp * cp)
+    if not expert_params:
+        return dense
+    experts = _sharded_states(expert_params, precision, zero, ep * pp, tp * cp * dp // ep)
+    return {cat: dense[cat] + experts[cat] for cat in CATEGORIES}
+
+
+def _sharded_states(params: float, precision: str, zero: int, split: int, zero_group: int) -> dict[str, float]:
+    """Bytes of ``params`` split ``split`` ways by model parallelism, then by the ZeRO stage over ``zero_group``."""
+    per_rank = params / split
     sharded = {"optimizer": zero >= 1, "grads": zero >= 2, "params": zero >= 3}
-    return {cat: BYTES_PER_PARAM[precision][cat] * per_rank / (dp if sharded[cat] else 1) for cat in CATEGORIES}
+    return {cat: BYTES_PER_PARAM[precision][cat] * per_rank / (zero_group if sharded[cat] else 1) for cat in CATEGORIES}
 
 
 def adamw_state_bytes(element_size: int, trainable: int, frozen: int = 0, tensors: int = 0) -> dict[str, int]:
@@ -266,7 +304,15 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(
-    seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, sp: bool = False, recompute: str = "none"
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    ffn: float | None = None,
+    cp: int = 1,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
 
@@ -274,16 +320,25 @@ def activation_bytes_per_layer(
     sbh(34 + 5as/h) with no parallelism; with tensor parallelism over t ranks only the parts inside the split
     linears shrink, sbh(10 + 24/t + 5as/(ht)); sequence parallelism splits the rest too, sbh/t (34 + 5as/h).
     Selective recompute drops the 5as/h attention term; full recompute keeps only the layer input, 2sbh.
+
+    ``ffn``: the MLP width a token's activations pass through, 4h by default. Of the 34, the MLP's two 4h-wide
+    intermediates are 16 (4 ffn / h; §4.1), split by TP; a mixture-of-experts layer's token passes through its
+    top-k routed experts and the shared ones, (top_k + shared) x expert FFN wide. (Not counted: the k copies of
+    its input the dispatch makes, and the router's logits, of order 2k and 2E/h sbh.)
+
+    Context parallelism over ``cp`` ranks gives each rank s/cp of the sequence, its queries against all the keys:
+    everything divided by cp (Liu et al. 2023, ring attention, §3; Llama 3, Grattafiori et al. 2024, §3.3.2).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     if recompute == "full":
-        return 2 * s * b * h
+        return 2 * s * b * h / cp
     scores = 0 if recompute == "selective" else 5 * a * s / h
+    mlp = 16 if ffn is None else 4 * ffn / h
     if sp:
-        return s * b * h / t * (34 + scores)
-    return s * b * h * (10 + 24 / t + scores / t)
+        return s * b * h / t * (18 + mlp + scores) / cp
+    return s * b * h * (10 + (8 + mlp) / t + scores / t) / cp
 
 
 def tiny_gpt_activation_bytes(
@@ -338,20 +393,33 @@ def memory_formula(
     heads: int | None = None,
     sp: bool = False,
     recompute: str = "none",
+    expert_params: float = 0.0,
+    ep: int = 1,
+    cp: int = 1,
+    ffn: float | None = None,
 ) -> dict[str, float]:
-    """Bytes per device: model states (:func:`model_state_formula`) and, when the dims are given, activations.
+    """Bytes per device: model states (:func:`model_state_formula`: dense and expert parameters, ``ep``, ``cp``)
+    and, when the dims are given, activations (:func:`activation_bytes_per_layer`, ``ffn`` wide, split ``cp``
+    ways).
 
     Activations: with a 1F1B pipeline the first stage keeps ``pp`` microbatches of its ``layers/pp`` layers in
     flight, which is one microbatch of all ``layers`` (Korthikanti et al. 2022, §4.2.3).
     """
-    out = model_state_formula(params, precision, zero, dp, tp, pp)
+    out = model_state_formula(params, precision, zero, dp, tp, pp, expert_params, ep, cp)
     dims = (layers, seq, hidden, heads)
     if any(d is not None for d in dims) and any(d is None for d in dims):
         raise ValueError("activations need all of layers, seq, hidden and heads (or none of them)")
     if heads is not None and heads % tp:
         raise ValueError(f"tensor parallelism splits attention by heads: tp {tp} does not divide {heads} heads")
+    if seq is not None and cp > 1 and seq % (2 * cp):
+        raise ValueError(
+            f"context parallelism cuts the sequence into 2 x cp = {2 * cp} chunks (rank r holds chunks r and "
+            f"2cp-1-r, for causal balance): seq {seq} is not a multiple of {2 * cp}; change seq or cp"
+        )
     out["activations"] = (
-        layers * activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sp, recompute) if layers else 0.0
+        layers * activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sp, recompute, ffn, cp)
+        if layers
+        else 0.0
     )
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
     return out

@@ -10,16 +10,24 @@ First the lesson's decision tree, on model states alone (16 bytes per parameter 
 Then every layout is enumerated and costed: TP degrees that divide the GPUs of a node (and the heads), PP degrees
 that split the layers into stages of equal size, or, as Llama 3 does, first and last stage one layer shorter
 (Grattafiori et al. 2024, §3.3.2), DP the rest, ZeRO 0, 1, 2 (3 only without TP and PP, i.e. FSDP). Ranks are
-placed TP fastest, then PP, then DP. Memory per GPU is :func:`course_lib.memory.memory_formula` (TP with sequence
-parallelism, the 1F1B first stage's activations), the same numbers as ``python -m course_lib memory``. Time per
-step is a simple estimate (:func:`step_time`). Layouts that fit are ranked by it; the decision tree's shape is kept
-unless another layout is more than ``CLOSE`` faster.
+placed as Llama 3 orders them, TP fastest, then CP, then PP, then DP (§3.3.2). Memory per GPU is
+:func:`course_lib.memory.memory_formula` (TP with sequence parallelism, the 1F1B first stage's activations), the
+same numbers as ``python -m course_lib memory``. Time per step is a simple estimate (:func:`step_time`). Layouts
+that fit are ranked by it; the decision tree's shape is kept unless another layout is more than ``CLOSE`` faster.
+
+A mixture of experts (:class:`Experts`) adds an EP axis: whole experts split over ``ep`` ranks carved out of a
+stage's TP x CP x DP ranks (the expert-data-parallel group, tp x cp x dp / ep, holds the replicas ZeRO shards),
+memory from all parameters, compute from the active ones, and four all-to-alls per MoE layer and microbatch.
+Context parallelism (CP, a ring over the sequence) is considered only when nothing fits without it, as Llama 3
+brought it in only for its 128K-token stage; like selective recompute, a last resort for memory.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from typing import NamedTuple
 
 from course_lib.comm import ring_factor
 from course_lib.hardware import HardwareProfile, collective_time, get_profile, link
@@ -38,7 +46,45 @@ SHAPES = {
     "tp": "tensor parallelism inside a node (data parallelism across nodes)",
     "fsdp": "FSDP / ZeRO-3 over all GPUs, no model parallelism",
     "3d": "3D: TP inside nodes, PP across nodes, DP on top",
+    "ep": "expert parallelism: the experts split over EP ranks (all-to-all), the dense rest by TP/PP, DP on top",
 }
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts FFN of a model: ``routed`` experts of which each token visits ``top_k`` (GShard,
+    Lepikhin et al. 2021, §2.2; Switch Transformers, Fedus et al. 2022, §2.1), each a SwiGLU FFN ``ffn`` wide,
+    ``shared`` experts every token visits (DeepSeekMoE; DeepSeek-V3 §2.1.2), in every layer but the first
+    ``dense_layers`` (DeepSeek-V3's 3), which keep a plain FFN."""
+
+    routed: int
+    top_k: int
+    ffn: int
+    shared: int = 0
+    dense_layers: int = 0
+
+    def check(self, layers: int, ep: int = 1) -> None:
+        """Refuse what cannot be built, saying what to change."""
+        if self.routed < 1 or self.top_k < 1 or self.ffn < 1 or self.shared < 0:
+            raise ValueError("experts, top-k and the expert FFN must be at least 1 (shared experts at least 0)")
+        if self.top_k > self.routed:
+            raise ValueError(f"top-k {self.top_k} is more than the {self.routed} experts: choose top-k <= experts")
+        if not 0 <= self.dense_layers < layers:
+            raise ValueError(f"dense layers must be between 0 and layers - 1 = {layers - 1}, not {self.dense_layers}")
+        if self.routed % ep:
+            raise ValueError(
+                f"{self.routed} experts do not split over ep {ep}: each expert-parallel rank holds a whole number of "
+                f"experts; choose an ep that divides {self.routed}"
+            )
+
+    def routed_params(self, layers: int, hidden: int) -> int:
+        """Parameters of the routed experts of a ``layers``-layer model, the ones expert parallelism shards."""
+        return (layers - self.dense_layers) * self.routed * swiglu_params(hidden, self.ffn)
+
+    @property
+    def token_ffn(self) -> int:
+        """The FFN width a token's activations pass through in an MoE layer: its top-k and the shared experts."""
+        return (self.top_k + self.shared) * self.ffn
 
 
 @dataclass(frozen=True)
@@ -55,36 +101,105 @@ class Model:
     seq: int
     active_params: float | None = None
     global_batch: int | None = None
-    published: tuple[int, int, int] | None = None
+    published: dict[str, int] | None = None  # tp, cp, pp, dp, ep (and zero where stated) of a published run
     nominal: bool = False  # dims guessed from the parameter count (:func:`nominal_model`)
     source: str = ""
+    kv_heads: int | None = None  # grouped-query attention's K/V heads (what a CP ring passes); None: heads
+    experts: Experts | None = None
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.experts.dense_layers if self.experts else 0
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of the routed experts, the ones expert parallelism shards."""
+        return self.experts.routed_params(self.layers, self.hidden) if self.experts else 0.0
+
+    @property
+    def token_ffn(self) -> int | None:
+        """The FFN width a token's activations pass through in an MoE layer (None: a dense model's 4h)."""
+        return self.experts.token_ffn if self.experts else None
+
+
+def swiglu_params(hidden: int, ffn: int) -> int:
+    """A SwiGLU FFN: gate, up and down projections, three h x ffn matrices, no biases (Shazeer 2020)."""
+    return 3 * hidden * ffn
+
+
+def gqa_params(hidden: int, heads: int, kv_heads: int) -> int:
+    """Grouped-query attention without biases: q and o h x h, k and v h x kv_heads*head_dim (Ainslie et al. 2023)."""
+    return 2 * hidden * hidden + 2 * hidden * (kv_heads * hidden // heads)
+
+
+def mla_params(hidden: int, heads: int, head_dim: int, rope_dim: int, q_rank: int, kv_rank: int) -> int:
+    """Multi-head latent attention (DeepSeek-V2 §2.1.2, DeepSeek-V3 §2.1.1 eqs. 1-11): K/V down-projection to
+    ``kv_rank`` with a shared RoPE key (h x (kv_rank + rope_dim)), their up-projections (kv_rank x heads x 2
+    head_dim), the query down- and up-projections with a RoPE part per head (h x q_rank, q_rank x heads x
+    (head_dim + rope_dim)), the output projection (heads x head_dim x h) and the RMSNorms of the two latents."""
+    kv = hidden * (kv_rank + rope_dim) + kv_rank * heads * 2 * head_dim
+    q = hidden * q_rank + q_rank * heads * (head_dim + rope_dim)
+    return kv + q + heads * head_dim * hidden + q_rank + kv_rank
 
 
 def llama_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> int:
-    """Parameters of a Llama 3 model (Grattafiori et al. 2024, Table 3 dims): per layer grouped-query attention
-    (q and o h x h, k and v h x kv_heads*head_dim), a SwiGLU MLP of three h x ffn matrices and two RMSNorm weights;
-    untied input and output embeddings, a final norm. Gives the released checkpoints' 8,030,261,248,
-    70,553,706,496 and 405,853,388,800 parameters."""
-    kv = kv_heads * hidden // heads
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    """Parameters of a Llama 3 model (Grattafiori et al. 2024, Table 3 dims): per layer grouped-query attention, a
+    SwiGLU MLP and two RMSNorm weights; untied input and output embeddings, a final norm. Gives the released
+    checkpoints' 8,030,261,248, 70,553,706,496 and 405,853,388,800 parameters."""
+    per_layer = gqa_params(hidden, heads, kv_heads) + swiglu_params(hidden, ffn) + 2 * hidden
     return layers * per_layer + 2 * vocab * hidden + hidden
+
+
+def moe_params(
+    layers: int, hidden: int, attention: int, experts: Experts, dense_ffn: int, vocab: int, active: bool = False
+) -> int:
+    """Parameters of a mixture-of-experts transformer, all of them or (``active``) those one token computes with:
+    per layer ``attention`` parameters and two RMSNorms; an MoE layer's FFN is its routed experts (only ``top_k``
+    active), its shared experts and the router (routed x h; DeepSeek-V3's bias used only to choose experts is not
+    trained by gradients and not counted), a dense layer's a SwiGLU ``dense_ffn`` wide; untied embeddings and a
+    final norm (Fedus et al. 2022, §2; DeepSeek-V3 §2.1.2)."""
+    expert = swiglu_params(hidden, experts.ffn)
+    visited = (experts.top_k if active else experts.routed) + experts.shared
+    moe_layer = attention + visited * expert + experts.routed * hidden + 2 * hidden
+    dense_layer = attention + swiglu_params(hidden, dense_ffn) + 2 * hidden
+    moe = layers - experts.dense_layers
+    return moe * moe_layer + experts.dense_layers * dense_layer + 2 * vocab * hidden + hidden
 
 
 _LLAMA3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; 8192-token pretraining sequences"
 _GPT3 = "Brown et al. 2020, Table 2.1 (dims, vocabulary 50257)"
+_LLAMA3_405B = Model(
+    "llama3-405b",
+    llama_params(126, 16384, 128, 8, 53248, 128256),
+    126,
+    16384,
+    128,
+    8192,
+    global_batch=2048,
+    published={"tp": 8, "pp": 16, "dp": 128},
+    source=_LLAMA3 + "; Table 4: on 16,384 H100s TP 8, CP 1, PP 16, DP 128, 16M tokens (2048 sequences) a batch",
+    kv_heads=8,
+)
+_DEEPSEEK_V3 = Experts(routed=256, top_k=8, ffn=2048, shared=1, dense_layers=3)
+_DEEPSEEK_V3_ATTENTION = mla_params(7168, 128, 128, 64, 1536, 512)
+_MIXTRAL = Experts(routed=8, top_k=2, ffn=16384)
 PRESETS = {
-    "llama3-8b": Model("llama3-8b", llama_params(32, 4096, 32, 8, 14336, 128256), 32, 4096, 32, 8192, source=_LLAMA3),
-    "llama3-70b": Model("llama3-70b", llama_params(80, 8192, 64, 8, 28672, 128256), 80, 8192, 64, 8192, source=_LLAMA3),
-    "llama3-405b": Model(
-        "llama3-405b",
-        llama_params(126, 16384, 128, 8, 53248, 128256),
-        126,
-        16384,
-        128,
-        8192,
-        global_batch=2048,
-        published=(8, 16, 128),
-        source=_LLAMA3 + "; Table 4: on 16,384 H100s TP 8, CP 1, PP 16, DP 128, 16M tokens (2048 sequences) a batch",
+    "llama3-8b": Model(
+        "llama3-8b", llama_params(32, 4096, 32, 8, 14336, 128256), 32, 4096, 32, 8192, source=_LLAMA3, kv_heads=8
+    ),
+    "llama3-70b": Model(
+        "llama3-70b", llama_params(80, 8192, 64, 8, 28672, 128256), 80, 8192, 64, 8192, source=_LLAMA3, kv_heads=8
+    ),
+    "llama3-405b": _LLAMA3_405B,
+    "llama3-405b-128k": replace(
+        _LLAMA3_405B,
+        name="llama3-405b-128k",
+        seq=131072,
+        global_batch=128,
+        published={"tp": 8, "cp": 16, "pp": 16, "dp": 4},
+        source=_LLAMA3 + "; §3.4.2 and Table 4, long-context pretraining: 131,072-token sequences, 16M tokens (128 "
+        "sequences) a batch, TP 8, CP 16, PP 16 and DP printed as 4, which makes 8,192 GPUs, not the 16,384 the "
+        "row states (DP 8 would): a slip in the table; planned here on the 8,192 its axes multiply to",
     ),
     "gpt3-175b": Model(
         "gpt3-175b",
@@ -104,32 +219,44 @@ PRESETS = {
         160,
         2048,
         global_batch=3072,
-        published=(8, 64, 6),
+        published={"tp": 8, "pp": 64, "dp": 6},
         source="Narayanan et al. 2021, Table 1: 1008B parameters, 128 layers, hidden 25600, 160 heads, on 3072 "
         "A100s TP 8, PP 64 (DP 6), batch 3072",
     ),
     "deepseek-v3": Model(
         "deepseek-v3",
-        671e9,
+        moe_params(61, 7168, _DEEPSEEK_V3_ATTENTION, _DEEPSEEK_V3, 18432, 129280),
         61,
         7168,
         128,
         4096,
-        active_params=37e9,
+        active_params=moe_params(61, 7168, _DEEPSEEK_V3_ATTENTION, _DEEPSEEK_V3, 18432, 129280, active=True),
+        global_batch=15360,
+        published={"tp": 1, "pp": 16, "dp": 128, "ep": 64, "zero": 1},
         source="DeepSeek-AI 2024 (DeepSeek-V3 technical report): 671B parameters, 37B active, 61 layers, hidden "
-        "7168, 128 heads, 4K pretraining sequences; trained with 16-way PP, 64-way expert parallelism over 8 "
-        "nodes and ZeRO-1 DP, no TP (§3.2)",
+        "7168, 128 heads, MLA (kv rank 512, q rank 1536, head dim 128, RoPE dim 64), 1 shared + 256 routed experts "
+        "of FFN 2048, top-8, the first 3 layers dense (FFN 18432), vocabulary 129,280 (§4.2); 4K sequences, batch "
+        "15,360 (§4.2); trained on 2,048 H800s with 16-way PP, 64-way expert parallelism over 8 nodes and ZeRO-1 "
+        "DP, no TP (§3.2): here PP 16 x DP 128 with EP 64 carved out of the 128, the 2 replicas of each expert "
+        "being DeepSeek's DP 2. The multi-token-prediction module (14B, §2.2) is not counted",
+        kv_heads=128,
+        experts=_DEEPSEEK_V3,
     ),
     "mixtral-8x22b": Model(
         "mixtral-8x22b",
-        141e9,
+        moe_params(56, 6144, gqa_params(6144, 48, 8), _MIXTRAL, 0, 32768),
         56,
         6144,
         48,
         4096,
-        active_params=39e9,
+        active_params=moe_params(56, 6144, gqa_params(6144, 48, 8), _MIXTRAL, 0, 32768, active=True),
+        published={"tp": 4, "pp": 4, "dp": 8, "ep": 8},
         source="Mistral AI 2024: 141B parameters, 39B active; dims from the released config.json (56 layers, "
-        "hidden 6144, 48 heads); the training sequence length is not published, 4096 assumed",
+        "hidden 6144, 48 heads, 8 KV heads, 8 experts of FFN 16384, top-2, vocabulary 32,768, untied); the "
+        "training sequence length is not published, 4096 assumed; no training layout is published either: EP 8 x "
+        "PP 4 x TP 4 (128 GPUs, EP 8 carved out of DP 8) is the course lecture's claim, not Mistral's",
+        kv_heads=8,
+        experts=_MIXTRAL,
     ),
 }
 
@@ -188,6 +315,20 @@ class Candidate:
     memory: dict = field(default_factory=dict)
     time: dict = field(default_factory=dict)
     placement: dict = field(default_factory=dict)
+    cp: int = 1
+    ep: int = 1
+
+
+class Layout(NamedTuple):
+    """One way to lay a model out: the degrees, the ZeRO stage and the microbatches per DP rank."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    microbatches: int
+    cp: int = 1
+    ep: int = 1
 
 
 @dataclass
@@ -212,8 +353,11 @@ class Plan(Candidate):
 
 
 def describe(c: Candidate, zero0: bool = True) -> str:
-    """ "TP t x PP p x DP d, ZeRO-k" (without ", ZeRO-0" when ``zero0`` is False)."""
-    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}" + (f", ZeRO-{c.zero}" if c.zero or zero0 else "")
+    """ "TP t x PP p x DP d, ZeRO-k" (without ", ZeRO-0" when ``zero0`` is False), with " x CP c" after TP and
+    ", EP e" (carved out of TP x CP x DP) when they are more than 1."""
+    cp = f" x CP {c.cp}" if c.cp > 1 else ""
+    ep = f", EP {c.ep}" if c.ep > 1 else ""
+    return f"TP {c.tp}{cp} x PP {c.pp} x DP {c.dp}{ep}" + (f", ZeRO-{c.zero}" if c.zero or zero0 else "")
 
 
 def _bytes(x: float) -> str:
@@ -224,19 +368,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SHORT_STAGES = 3  # Llama 3: 126 layers on 16 stages leave 2 short; DeepSeek-V3: 61 on 16 leave 3
+
+
 def splits_layers(layers: int, pp: int) -> bool:
-    """Stages of ceil(L/p) layers, at most two (the first and last, which also hold the embedding and the output
-    head) one layer shorter: Llama 3 puts 126 layers on 16 stages so (Grattafiori et al. 2024, §3.3.2)."""
-    return pp <= layers and pp * math.ceil(layers / pp) - layers <= 2
+    """Stages of ceil(L/p) layers, at most ``SHORT_STAGES`` of them one layer shorter: Llama 3 puts 126 layers on
+    16 stages so, the first and last one layer short as they also hold the embedding and the output head
+    (Grattafiori et al. 2024, §3.3.2); DeepSeek-V3 trains its 61 layers on 16 stages (§3.2), three short."""
+    return pp <= layers and pp * math.ceil(layers / pp) - layers <= SHORT_STAGES
 
 
 def tree_shape(model: Model, gpus: int, gpus_per_node: int, gpu_mem: float, precision: str, no_mp: bool) -> str:
-    """The lesson's decision tree on model states (16 bytes per parameter with Adam)."""
+    """The lesson's decision tree on model states (16 bytes per parameter with Adam); a mixture of experts that
+    does not fit one GPU is the expert-parallel shape."""
     states = sum(model_state_formula(model.params, precision).values())
     if states <= gpu_mem:
         return "dp"
     if no_mp:
         return "fsdp"
+    if model.experts:
+        return "ep"
     return "tp" if states <= gpu_mem * min(gpus, gpus_per_node) else "3d"
 
 
@@ -246,61 +397,182 @@ def in_shape(c: Candidate, shape: str, gpus_per_node: int) -> bool:
         return c.tp == c.pp == 1 and (c.zero == 3) == (shape == "fsdp")
     if shape == "tp":
         return c.tp > 1 and c.pp == 1
+    if shape == "ep":
+        return c.ep > 1
     return c.tp > 1 and c.pp > 1 and c.dp > 1 and c.tp * c.pp > gpus_per_node
 
 
+MIN_CP_TOKENS = 4096  # Llama 3's CP 16 at 128K keeps 8,192 tokens a rank
+
+
+def cp_degrees(model: Model, ranks: int) -> list[int]:
+    """Context-parallel degrees dividing ``ranks`` that cut the sequence into 2 x cp equal chunks (rank r holds
+    chunks r and 2cp-1-r, which balances the causal mask's work; Llama 3 §3.3.2), each rank keeping at least
+    ``MIN_CP_TOKENS``: CP is for long sequences; shorter blocks leave the attention kernel too little work to hide
+    the ring behind (:func:`cp_comm_exposed`)."""
+    return [
+        cp for cp in _divisors(ranks) if cp == 1 or (model.seq % (2 * cp) == 0 and model.seq // cp >= MIN_CP_TOKENS)
+    ]
+
+
+def ep_degrees(model: Model, ranks: int) -> list[int]:
+    """Expert-parallel degrees: each rank holds a whole number of experts, and EP divides the ``ranks`` (a
+    stage's TP x CP x DP) it is carved out of."""
+    if not model.experts:
+        return [1]
+    return [ep for ep in _divisors(model.experts.routed) if ranks % ep == 0]
+
+
 def layouts(
-    model: Model, gpus: int, gpus_per_node: int, global_batch: int, micro_batch: int, no_mp: bool
-) -> list[tuple[int, int, int, int, int]]:
-    """Every (tp, pp, dp, zero, microbatches): TP inside a node dividing the heads, PP splitting the layers
-    (:func:`splits_layers`), DP the rest; the global batch a whole number of micro-batches per DP rank, at least
-    one per stage (1F1B)."""
+    model: Model,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    micro_batch: int,
+    no_mp: bool,
+    context: bool = False,
+) -> list[Layout]:
+    """Every :class:`Layout`: TP inside a node dividing the heads, with ``context`` every CP degree
+    (:func:`cp_degrees`), PP splitting the layers (:func:`splits_layers`), DP the rest, every EP degree
+    (:func:`ep_degrees`); the global batch a whole number of micro-batches per DP rank, at least one per stage
+    (1F1B). ZeRO shards over DP x CP (3, FSDP, only without TP and PP). ``no_mp``: TP = CP = PP = EP = 1."""
     out = []
     for tp in _divisors(gpus_per_node):
         if model.heads % tp or gpus % tp or (no_mp and tp > 1):
             continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            m, rest = divmod(global_batch, dp * micro_batch)
-            if (no_mp and pp > 1) or not splits_layers(model.layers, pp) or rest or m < pp:
-                continue
-            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if tp == pp == 1 else (0, 1, 2)
-            out += [(tp, pp, dp, zero, m) for zero in zeros]
+        for cp in cp_degrees(model, gpus // tp) if context and not no_mp else [1]:
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                m, rest = divmod(global_batch, dp * micro_batch)
+                if (no_mp and pp > 1) or not splits_layers(model.layers, pp) or rest or m < pp:
+                    continue
+                zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3) if tp == pp == 1 else (0, 1, 2)
+                eps = [1] if no_mp else ep_degrees(model, tp * cp * dp)
+                out += [Layout(tp, pp, dp, zero, m, cp, ep) for ep in eps for zero in zeros]
     return out
 
 
-def groups(tp: int, pp: int, dp: int) -> dict[str, range]:
-    """Rank 0's TP, PP and DP groups, ranks placed TP fastest, then PP, then DP."""
-    return {"tp": range(tp), "pp": range(0, tp * pp, tp), "dp": range(0, tp * pp * dp, tp * pp)}
+@cache
+def groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> dict[str, list[int]]:
+    """Rank 0's groups, ranks placed as Llama 3 orders them, TP fastest, then CP, then PP, then DP (§3.3.2):
+    rank = ((d x PP + p) x CP + c) x TP + t. The EP group is the first ``ep`` of stage 0's TP x CP x DP ranks in
+    that order (Megatron-core's folding of EP into them); ``dp_cp``, the DP x CP ranks that average dense
+    gradients; ``edp``, the expert-data-parallel group, every ``ep``-th of them, holding the same experts."""
+
+    def rank(t: int, c: int, p: int, d: int) -> int:
+        return ((d * pp + p) * cp + c) * tp + t
+
+    def stage0(j: int) -> int:  # the j-th of stage 0's TP x CP x DP ranks
+        return rank(j % tp, j // tp % cp, 0, j // (tp * cp))
+
+    return {
+        "tp": [rank(t, 0, 0, 0) for t in range(tp)],
+        "cp": [rank(0, c, 0, 0) for c in range(cp)],
+        "pp": [rank(0, 0, p, 0) for p in range(pp)],
+        "dp": [rank(0, 0, 0, d) for d in range(dp)],
+        "ep": [stage0(j) for j in range(ep)],
+        "dp_cp": [rank(0, c, 0, d) for d in range(dp) for c in range(cp)],
+        "edp": [stage0(j) for j in range(0, tp * cp * dp, ep)],
+    }
+
+
+def _time_on(profile: HardwareProfile, ranks: list[int], gpus_per_node: int, op: str, size: float) -> float:
+    """:func:`collective_time` of ``op`` on a tensor of ``size`` bytes (comm.py's S) over the group's own link."""
+    bandwidth, latency, _ = link(profile, ranks, gpus_per_node)
+    n = len(ranks)
+    return collective_time(op, ring_factor(op, n) * size, n, bandwidth, latency)
 
 
 def dp_comm_exposed(
     model: Model, c: Candidate, compute_s: float, profile: HardwareProfile, gpus_per_node: int, precision: str
 ) -> float:
     """Data-parallel traffic left over after overlapping it with compute. Gradients of 2 bytes per parameter
-    (mixed), divided by TP x PP. ZeRO-0 all-reduces them once per step, during the last microbatch's backward
-    (gradient accumulation syncs once); ZeRO-1 reduce-scatters there and all-gathers the updated weights after the
-    step, the same bytes (Rajbhandari et al. 2020, §7.2.1); ZeRO-2 keeps only its gradient shard, so it
-    reduce-scatters every microbatch, under all the backward; ZeRO-3 also all-gathers the weights in each
-    microbatch's forward and backward, 1.5x the all-reduce's bytes (§7.2.2), prefetched under all the compute."""
-    if c.dp == 1:
+    (mixed): the dense ones divided by TP x PP and reduced over DP x CP, the experts' divided by EP x PP and
+    reduced over the expert-data-parallel group (:func:`groups`), one after the other. ZeRO-0 all-reduces them
+    once per step, during the last microbatch's backward (gradient accumulation syncs once); ZeRO-1
+    reduce-scatters there and all-gathers the updated weights after the step, the same bytes (Rajbhandari et al.
+    2020, §7.2.1); ZeRO-2 keeps only its gradient shard, so it reduce-scatters every microbatch, under all the
+    backward; ZeRO-3 also all-gathers the weights in each microbatch's forward and backward, 1.5x the
+    all-reduce's bytes (§7.2.2), prefetched under all the compute."""
+    ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)
+    parts = [
+        (shard, members)
+        for shard, members in (
+            ((model.params - model.expert_params) / (c.tp * c.pp), ranks["dp_cp"]),
+            (model.expert_params / (c.ep * c.pp), ranks["edp"]),
+        )
+        if shard and len(members) > 1
+    ]
+    if not parts:
         return 0.0
-    bandwidth, latency, _ = link(profile, groups(c.tp, c.pp, c.dp)["dp"], gpus_per_node)
-    shard = model.params / (c.tp * c.pp)
-    grads, weights = (BYTES_PER_PARAM[precision][k] * shard for k in ("grads", "params"))
 
-    def ring(op: str, size: float) -> float:
-        return collective_time(op, ring_factor(op, c.dp) * size, c.dp, bandwidth, latency)
+    def ring(op: str, kind: str) -> float:
+        return sum(
+            _time_on(profile, members, gpus_per_node, op, BYTES_PER_PARAM[precision][kind] * shard)
+            for shard, members in parts
+        )
 
     backward = 2 / 3 * compute_s  # backward = 2 x forward (Kaplan et al. 2020: 6N = 2N forward + 4N backward)
     if c.zero == 0:
-        return max(0.0, ring("all_reduce", grads) - backward / c.microbatches)
+        return max(0.0, ring("all_reduce", "grads") - backward / c.microbatches)
     if c.zero == 1:
-        return max(0.0, ring("reduce_scatter", grads) - backward / c.microbatches) + ring("all_gather", weights)
+        return max(0.0, ring("reduce_scatter", "grads") - backward / c.microbatches) + ring("all_gather", "params")
     if c.zero == 2:
-        return max(0.0, c.microbatches * ring("reduce_scatter", grads) - backward) + ring("all_gather", weights)
-    per_microbatch = 2 * ring("all_gather", weights) + ring("reduce_scatter", grads)
+        return max(0.0, c.microbatches * ring("reduce_scatter", "grads") - backward) + ring("all_gather", "params")
+    per_microbatch = 2 * ring("all_gather", "params") + ring("reduce_scatter", "grads")
     return max(0.0, c.microbatches * per_microbatch - compute_s)
+
+
+def flops_per_token(model: Model) -> float:
+    """Training FLOPs per token: 6 x the *active* parameters (2 forward, 4 backward; Kaplan et al. 2020, §2.1;
+    a mixture of experts computes with the experts a token visits, Fedus et al. 2022, §2), plus the attention
+    scores and their product with V, 4 s h per layer forward, x 3 with the backward, halved by the causal mask
+    (Narayanan et al. 2021, §5.1, whose 96 B s l h^2 (1 + s/6h + ...) counts them unmasked and recomputed):
+    6 L s h. At 8K tokens Llama 3 405B's attention is 4% of its FLOPs, at 128K 40%."""
+    return 6 * (model.active_params or model.params) + 6 * model.layers * model.seq * model.hidden
+
+
+def _kv_width(model: Model, tp: int) -> float:
+    """K (or V) values per token a TP rank holds: its share of the K/V heads, at least one (replicated)."""
+    kv_heads = model.kv_heads or model.heads
+    return max(kv_heads / tp, 1) * model.hidden / model.heads
+
+
+def cp_comm_exposed(
+    model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int, precision: str
+) -> float:
+    """Ring attention's traffic not hidden behind attention compute (Liu et al. 2023, ring attention, §3).
+
+    Each of the cp ranks holds s/cp tokens; in the forward its K and V blocks (b x s/cp x its K/V width, 16-bit)
+    travel cp-1 steps round the CP ring, and at each step the rank computes its queries against the block it
+    holds, 4 b (s/cp)^2 h / t FLOPs of which the causal mask keeps half (the 2cp-chunk split gives every step
+    the same half). The backward passes K and V round again with their gradients dK and dV: twice the bytes, and
+    twice the compute (Liu et al. 2023, Algorithm 1). Sending the next block overlaps computing the current one,
+    so a step costs max(comm, compute): exposed = max(0, comm - compute) per step, 3 (cp-1) of those per layer and
+    microbatch (one forward, two backward's worth). Llama 3 all-gathers K/V instead (§3.3.2), the same bytes;
+    with grouped-query attention they are small, and mostly hidden at long sequences."""
+    if c.cp == 1:
+        return 0.0
+    block = micro_batch * model.seq / c.cp
+    bandwidth, latency, _ = link(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["cp"], gpus_per_node)
+    comm = collective_time("send", 2 * 2 * block * _kv_width(model, c.tp), 2, bandwidth, latency)
+    compute = 2 * block * model.seq / c.cp * model.hidden / c.tp / (profile.peak_flops[PEAK[precision]] * EFFICIENCY)
+    return model.layers / c.pp * c.microbatches * 3 * (c.cp - 1) * max(0.0, comm - compute)
+
+
+def ep_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+    """Expert parallelism's all-to-alls, not overlapped (1F1B; DeepSeek-V3's DualPipe hides them behind another
+    microbatch's compute, §3.2.1). Per MoE layer and microbatch four: dispatch and combine, forward and
+    backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2). A rank's tokens
+    (b x s / (cp x tp): sequence parallelism and CP split them) go to top_k experts each, h 16-bit values a
+    copy; under uniform routing (ep-1)/ep of them leave the rank (:func:`course_lib.comm.ring_factor`), timed
+    as an all-to-all on the EP group's slowest link (:func:`course_lib.hardware.collective_time`)."""
+    if c.ep == 1:
+        return 0.0
+    tokens = micro_batch * model.seq / (c.cp * c.tp)
+    ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"]
+    one = _time_on(profile, ranks, gpus_per_node, "all_to_all", 2 * tokens * model.experts.top_k * model.hidden)
+    return 4 * model.moe_layers / c.pp * c.microbatches * one
 
 
 def step_time(
@@ -315,40 +587,46 @@ def step_time(
 ) -> dict[str, float]:
     """A rough time per step, in seconds, by part:
 
-    * compute: 6 x active parameters x tokens / GPUs at ``EFFICIENCY`` of peak (Kaplan et al. 2020);
-    * TP: per layer and microbatch 4 all-reduces of b x s x h 16-bit values (2 forward, 2 backward; with sequence
-      parallelism all-gathers and reduce-scatters of the same bytes) on the TP group's link, not overlapped
-      (Narayanan et al. 2021, §3.3; Korthikanti et al. 2022, §4.2.2);
+    * compute: :func:`flops_per_token` x tokens / GPUs at ``EFFICIENCY`` of peak;
+    * TP: per layer and microbatch 4 all-reduces of b x s/cp x h 16-bit values (2 forward, 2 backward; with
+      sequence parallelism all-gathers and reduce-scatters of the same bytes) on the TP group's link, not
+      overlapped (Narayanan et al. 2021, §3.3; Korthikanti et al. 2022, §4.2.2);
     * bubble: 1F1B idles (p-1)/m of the compute (Narayanan et al. 2021, §2.2.1);
-    * PP: per microbatch an activation forward and its gradient back, each b x s x h / t (scatter/gather, §4.1);
+    * PP: per microbatch an activation forward and its gradient back, each b x s/cp x h / t (scatter/gather, §4.1);
+    * CP: what :func:`cp_comm_exposed` leaves exposed; EP: :func:`ep_comm`;
     * DP: what :func:`dp_comm_exposed` leaves exposed.
     """
-    b, s, h = micro_batch, model.seq, model.hidden
-    compute = 6 * (model.active_params or model.params) * global_batch * s / gpus
+    tokens = micro_batch * model.seq / c.cp  # a rank's share of a microbatch's tokens
+    compute = flops_per_token(model) * global_batch * model.seq / gpus
     compute /= profile.peak_flops[PEAK[precision]] * EFFICIENCY
-    ranks = groups(c.tp, c.pp, c.dp)
+    ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)
     tp_s = pp_s = 0.0
     if c.tp > 1:
-        bandwidth, latency, _ = link(profile, ranks["tp"], gpus_per_node)
-        one = collective_time("all_reduce", ring_factor("all_reduce", c.tp) * 2 * b * s * h, c.tp, bandwidth, latency)
+        one = _time_on(profile, ranks["tp"], gpus_per_node, "all_reduce", 2 * tokens * model.hidden)
         tp_s = 4 * model.layers / c.pp * c.microbatches * one
     if c.pp > 1:
-        bandwidth, latency, _ = link(profile, ranks["pp"], gpus_per_node)
-        pp_s = 2 * c.microbatches * collective_time("send", 2 * b * s * h / c.tp, 2, bandwidth, latency)
+        pp_s = (
+            2 * c.microbatches * _time_on(profile, ranks["pp"], gpus_per_node, "send", 2 * tokens * model.hidden / c.tp)
+        )
     return {
         "compute_s": compute,
         "tp_comm_s": tp_s,
         "bubble_s": compute * (c.pp - 1) / c.microbatches,
         "pp_comm_s": pp_s,
+        "cp_comm_exposed_s": cp_comm_exposed(model, c, micro_batch, profile, gpus_per_node, precision),
+        "ep_comm_s": ep_comm(model, c, micro_batch, profile, gpus_per_node),
         "dp_comm_exposed_s": dp_comm_exposed(model, c, compute, profile, gpus_per_node, precision),
     }
+
+
+AXES = ("tp", "cp", "pp", "dp", "ep")
 
 
 def placement(c: Candidate, profile: HardwareProfile, gpus_per_node: int) -> dict[str, dict]:
     """For each group of more than one GPU: its size, whether it spans nodes and its link's bandwidth per GPU."""
     out = {}
-    for axis, ranks in groups(c.tp, c.pp, c.dp).items():
-        if len(ranks) > 1:
+    for axis, ranks in groups(c.tp, c.pp, c.dp, c.cp, c.ep).items():
+        if axis in AXES and len(ranks) > 1:
             bandwidth, _, spans = link(profile, ranks, gpus_per_node)
             out[axis] = {"size": len(ranks), "spans_nodes": spans, "bandwidth": bandwidth}
     return out
@@ -356,7 +634,7 @@ def placement(c: Candidate, profile: HardwareProfile, gpus_per_node: int) -> dic
 
 def evaluate(
     model: Model,
-    layout: tuple[int, int, int, int, int],
+    layout: Layout | tuple[int, ...],
     gpus: int,
     gpus_per_node: int,
     gpu_mem: float,
@@ -366,13 +644,26 @@ def evaluate(
     precision: str,
     recompute: str,
 ) -> Candidate:
-    """Memory (:func:`memory_formula`, TP with SP), bubble, step time and placement of one layout."""
-    tp, pp, dp, zero, m = layout
+    """Memory (:func:`memory_formula`, TP with SP, experts over EP, activations over CP), bubble, step time and
+    placement of one layout (a :class:`Layout`, or its first five fields)."""
+    tp, pp, dp, zero, m, cp, ep = Layout(*layout)
     dims = {"layers": model.layers, "seq": model.seq, "hidden": model.hidden, "heads": model.heads}
+    moe = {"expert_params": model.expert_params, "ep": ep, "cp": cp, "ffn": model.token_ffn}
     memory = memory_formula(
-        model.params, precision, zero, dp, tp, pp, micro_batch=micro_batch, sp=tp > 1, recompute=recompute, **dims
+        model.params,
+        precision,
+        zero,
+        dp,
+        tp,
+        pp,
+        micro_batch=micro_batch,
+        sp=tp > 1,
+        recompute=recompute,
+        **dims,
+        **moe,
     )
-    c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
+    fits = memory["total"] <= gpu_mem
+    c = Candidate(tp, pp, dp, zero, m, recompute, fits, memory["total"], 0.0, 0.0, memory, cp=cp, ep=ep)
     c.bubble_fraction = bubble_formula("1f1b", pp, m)
     c.time = step_time(model, c, gpus, global_batch, micro_batch, profile, gpus_per_node, precision)
     c.step_time_s = sum(c.time.values())
@@ -419,28 +710,18 @@ def plan(
 ) -> Plan:
     """Plan ``model`` (a :class:`Model`, a preset name or a parameter count) on ``gpus`` GPUs. GPUs per node and
     memory default to the ``hardware`` profile's; the global batch (sequences) to the preset's published one, else
-    ``DEFAULT_GLOBAL_BATCH``. Selective recompute is used only if nothing fits without it."""
+    ``DEFAULT_GLOBAL_BATCH``. Selective recompute is used only if nothing fits without it, context parallelism only
+    if nothing fits without it even with selective recompute (:func:`_tries`)."""
     model = _as_model(model)
     profile = get_profile(hardware)
     per_node = gpus_per_node or profile.gpus_per_node
     gpu_mem = gpu_mem_bytes or profile.memory_bytes
     batch = global_batch or model.global_batch or DEFAULT_GLOBAL_BATCH
     _check(gpus, per_node, batch, micro_batch, precision)
-    shapes = layouts(model, gpus, per_node, batch, micro_batch, no_model_parallel)
-    if not shapes:
-        raise ValueError(
-            f"no layout of {gpus} GPUs splits a global batch of {batch} sequences into micro-batches of "
-            f"{micro_batch} per DP rank (at least one per pipeline stage): change the batch or the GPUs"
-        )
-    tries = []
-    for recompute in ("none", "selective"):
-        args = (gpus, per_node, gpu_mem, profile, batch, micro_batch, precision, recompute)
-        ranked = _rank([evaluate(model, layout, *args) for layout in shapes])
-        tries.append(ranked)
-        if ranked[0].fits:
-            break
-    else:
-        raise ValueError(_nothing_fits(model, tries[-1][0], gpu_mem))
+    tries, without_cp = _tries(
+        model, gpus, per_node, gpu_mem, profile, batch, micro_batch, precision, no_model_parallel
+    )
+    ranked = tries[-1]
     shape = tree_shape(model, gpus, per_node, gpu_mem, precision, no_model_parallel)
     chosen, tree_best = _choose(ranked, shape, per_node)
     result = Plan(
@@ -456,20 +737,45 @@ def plan(
         shape=shape,
         candidates=ranked,
     )
-    result.reasons = explain(result, profile, tree_best, tries[0][0])
+    result.reasons = explain(result, profile, tree_best, tries[0][0], without_cp)
     return result
 
 
+def _tries(
+    model: Model,
+    gpus: int,
+    per_node: int,
+    gpu_mem: float,
+    profile: HardwareProfile,
+    batch: int,
+    micro_batch: int,
+    precision: str,
+    no_mp: bool,
+) -> tuple[list[list[Candidate]], list[Candidate] | None]:
+    """The ranked candidates of each try, the last one's first fitting: without CP, then (if nothing fits) with
+    it, as Llama 3 added CP only for 128K-token sequences; in each, without recompute, then selective. Also, if CP
+    was needed, the last try without it (empty: no layout without CP splits the batch)."""
+    tries: list[list[Candidate]] = []
+    for context in (False, True):
+        shapes = layouts(model, gpus, per_node, batch, micro_batch, no_mp, context)
+        for recompute in ("none", "selective") if shapes else ():
+            args = (gpus, per_node, gpu_mem, profile, batch, micro_batch, precision, recompute)
+            tries.append(_rank([evaluate(model, layout, *args) for layout in shapes]))
+            if tries[-1][0].fits:
+                return tries, (tries[-3] if len(tries) > 2 else []) if context else None
+    if not tries:
+        raise ValueError(
+            f"no layout of {gpus} GPUs splits a global batch of {batch} sequences into micro-batches of "
+            f"{micro_batch} per DP rank (at least one per pipeline stage): change the batch or the GPUs"
+        )
+    raise ValueError(_nothing_fits(model, tries[-1][0], gpu_mem))
+
+
 def _nothing_fits(model: Model, smallest: Candidate, gpu_mem: float) -> str:
-    moe = (
-        f" ({model.name} is a mixture of experts planned as dense: expert parallelism would shard its experts)"
-        if model.active_params
-        else ""
-    )
     return (
-        f"nothing fits in {_bytes(gpu_mem)} per GPU, even with selective recompute: the smallest layout, "
-        f"{describe(smallest)}, needs {_bytes(smallest.memory_per_gpu_bytes)}, "
-        f"{_bytes(smallest.memory_per_gpu_bytes - gpu_mem)} more than a GPU has; add GPUs (or recompute fully){moe}"
+        f"nothing fits in {_bytes(gpu_mem)} per GPU, even with selective recompute and context parallelism: the "
+        f"smallest layout, {describe(smallest)}, needs {_bytes(smallest.memory_per_gpu_bytes)}, "
+        f"{_bytes(smallest.memory_per_gpu_bytes - gpu_mem)} more than a GPU has; add GPUs (or recompute fully)"
     )
 
 
@@ -484,7 +790,13 @@ def _choose(ranked: list[Candidate], shape: str, gpus_per_node: int) -> tuple[Ca
 
 
 # ------------------------------------------------------------------------------------------------ reasons
-def explain(p: Plan, profile: HardwareProfile, tree_best: Candidate | None, first_try: Candidate) -> list[str]:
+def explain(
+    p: Plan,
+    profile: HardwareProfile,
+    tree_best: Candidate | None,
+    first_try: Candidate,
+    without_cp: list[Candidate] | None = None,
+) -> list[str]:
     """Sentences, with numbers, for the choice: the model, the tree, memory, placement, pipeline, time."""
     reasons = [_model_reason(p.model)]
     reasons += _tree_reasons(p, tree_best)
@@ -494,6 +806,8 @@ def explain(p: Plan, profile: HardwareProfile, tree_best: Candidate | None, firs
             f"needs {_bytes(first_try.memory_per_gpu_bytes)}); selective recompute drops them (so does "
             f"FlashAttention, which never stores them)."
         )
+    if without_cp is not None:
+        reasons.append(_cp_reason(p, without_cp))
     reasons.append(_memory_reason(p))
     reasons += _placement_reasons(p)
     if p.pp > 1:
@@ -501,6 +815,22 @@ def explain(p: Plan, profile: HardwareProfile, tree_best: Candidate | None, firs
     reasons.append(_time_reason(p, profile))
     reasons += _alternative_reasons(p)
     return reasons
+
+
+def _cp_reason(p: Plan, without_cp: list[Candidate]) -> str:
+    """Why context parallelism: nothing fits without it, or no layout without it splits the batch."""
+    why = (
+        f"the smallest such layout, {describe(without_cp[0])}, needs {_bytes(without_cp[0].memory_per_gpu_bytes)}"
+        if without_cp
+        else f"no layout without it splits {p.global_batch} sequences of {p.micro_batch} per DP rank over {p.gpus} "
+        f"GPUs (at most TP {p.gpus_per_node} x PP x DP = {p.gpus_per_node * p.global_batch // p.micro_batch}, "
+        "with PP no more than the microbatches)"
+    )
+    return (
+        f"Context parallelism, because nothing fits without it, even with selective recompute: at {p.model.seq:,} "
+        f"tokens {why}. CP {p.cp} splits every sequence over its ranks, and their activations with it (ring "
+        f"attention, Liu et al. 2023; Llama 3 §3.3.2 for its 128K stage)."
+    )
 
 
 def _model_reason(model: Model) -> str:
@@ -513,12 +843,15 @@ def _model_reason(model: Model) -> str:
             ". Only the parameter count was given: these dims are a GPT-3-like stand-in (hidden = 128 x layers, "
             "heads of 128; Brown et al. 2020, Table 2.1) for the activations and traffic; give the real ones."
         )
-    if model.active_params:
+    e = model.experts
+    if e:
+        shared = f" and {e.shared} shared" if e.shared else ""
+        dense = f" in {model.moe_layers} of its {model.layers} layers" if e.dense_layers else ""
         return text + (
-            f". A mixture of experts with {model.active_params / 1e9:.0f}B parameters active per token: planned as a "
-            f"dense model that holds all {model.params / 1e9:.0f}B (memory) and computes with "
-            f"{model.active_params / 1e9:.0f}B (time). Expert parallelism, the next lesson's axis, would shard the "
-            f"experts instead of replicating them over DP ({model.source})."
+            f". A mixture of experts, {e.routed} routed experts{shared} of FFN {e.ffn}, top-{e.top_k}{dense}: memory "
+            f"holds all {model.params / 1e9:.1f}B parameters, {model.expert_params / 1e9:.1f}B of them routed experts "
+            f"that expert parallelism (EP) splits, and each token computes with {model.active_params / 1e9:.1f}B "
+            f"active ones, the compute ({model.source})."
         )
     return text + f" ({model.source})." if model.source else text + "."
 
@@ -532,6 +865,7 @@ def _tree_reasons(p: Plan, tree_best: Candidate | None) -> list[str]:
         "fsdp": f"exceed one GPU ({gpu})",
         "tp": f"fit one node ({node_mem})",
         "3d": f"exceed one node ({node_mem})",
+        "ep": f"exceed one GPU ({gpu}), mostly in experts",
     }[p.shape]
     out = [
         f"Model states, {sum(BYTES_PER_PARAM[p.precision].values())} bytes per parameter with {p.precision} Adam, "
@@ -557,17 +891,27 @@ def _tree_reasons(p: Plan, tree_best: Candidate | None) -> list[str]:
 
 def _memory_reason(p: Plan) -> str:
     parts = ", ".join(f"{k} {p.memory[k] / 1e9:.3g}" for k in (*CATEGORIES, "activations"))
+    edp = p.tp * p.cp * p.dp // p.ep
+    experts = (
+        f"; the routed experts' over EP x PP = {p.ep * p.pp}"
+        + (f" and ZeRO-{p.zero} over the {edp} expert-data-parallel ranks (TP x CP x DP / EP)" if p.zero else "")
+        if p.model.experts
+        else ""
+    )
+    splits = [f"{p.tp} ways by TP with sequence parallelism"] * (p.tp > 1) + [f"{p.cp} ways by CP"] * (p.cp > 1)
     return (
         f"Per GPU: {_bytes(p.memory_per_gpu_bytes)} of {_bytes(p.gpu_mem_bytes)} (GB: {parts}), as "
-        f"`python -m course_lib memory` computes it: model states over TP x PP = {p.tp * p.pp}"
-        + (f" and ZeRO-{p.zero} over DP = {p.dp}" if p.zero else "")
-        + (f"; activations split {p.tp} ways by TP with sequence parallelism" if p.tp > 1 else "")
+        f"`python -m course_lib memory` computes it: {'dense ' * bool(p.model.experts)}model states over TP x PP = "
+        f"{p.tp * p.pp}"
+        + (f" and ZeRO-{p.zero} over DP x CP = {p.dp * p.cp}" if p.zero else "")
+        + experts
+        + (f"; activations split {' and '.join(splits)}" if splits else "")
         + "."
     )
 
 
 def _placement_reasons(p: Plan) -> list[str]:
-    names = {"tp": "TP group", "pp": "pipeline", "dp": "DP group"}
+    names = {"tp": "TP group", "cp": "CP ring", "pp": "pipeline", "dp": "DP group", "ep": "EP group (all-to-all)"}
     out = []
     for axis, g in p.placement.items():
         where = "spans nodes" if g["spans_nodes"] else "sits inside a node"
@@ -586,8 +930,9 @@ def _pipeline_reason(p: Plan) -> str:
     short = p.pp * math.ceil(p.model.layers / p.pp) - p.model.layers
     if short:
         text += (
-            f" {p.model.layers} layers do not split evenly into {p.pp} stages: {short} of them (first, last) get one "
-            f"layer fewer, as in Llama 3; memory is the even split's, as the memory command computes it."
+            f" {p.model.layers} layers do not split evenly into {p.pp} stages: {short} of them "
+            f"{'(first, last) ' if short <= 2 else ''}get one layer fewer, as in Llama 3; memory is the even "
+            f"split's, as the memory command computes it."
         )
     return text
 
@@ -596,9 +941,12 @@ def _time_reason(p: Plan, profile: HardwareProfile) -> str:
     t = p.time
     text = (
         f"Estimated step {p.step_time_s:.3g} s: compute {t['compute_s']:.3g} s "
-        f"({EFFICIENCY:.0%} of {profile.peak_flops[PEAK[p.precision]] / 1e12:g} TFLOP/s), bubble "
-        f"{t['bubble_s']:.3g} s, TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} s, exposed DP "
-        f"{t['dp_comm_exposed_s']:.3g} s."
+        f"({EFFICIENCY:.0%} of {profile.peak_flops[PEAK[p.precision]] / 1e12:g} TFLOP/s"
+        + (f", {p.model.active_params / 1e9:.1f}B active parameters a token" if p.model.experts else "")
+        + f"), bubble {t['bubble_s']:.3g} s, TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} s, "
+        + (f"CP ring exposed {t['cp_comm_exposed_s']:.3g} s, " if p.cp > 1 else "")
+        + (f"EP all-to-all {t['ep_comm_s']:.3g} s, " if p.ep > 1 else "")
+        + f"exposed DP {t['dp_comm_exposed_s']:.3g} s."
     )
     if p.zero >= 2 and t["dp_comm_exposed_s"] > t["compute_s"] / 4:
         text += (
@@ -611,7 +959,7 @@ def _time_reason(p: Plan, profile: HardwareProfile) -> str:
 def _alternative_reasons(p: Plan) -> list[str]:
     """FSDP as the alternative (when not chosen), and where the published layout lands."""
     out = []
-    fsdp = next((c for c in p.candidates if c.tp == c.pp == 1 and c.zero == 3), None)
+    fsdp = next((c for c in p.candidates if c.tp == c.pp == c.cp == 1 and c.zero == 3), None)
     if fsdp is not None and p.zero != 3:
         verdict = f"fits, step {fsdp.step_time_s:.3g} s" if fsdp.fits else "does not fit"
         out.append(
@@ -619,19 +967,83 @@ def _alternative_reasons(p: Plan) -> list[str]:
             f"{_bytes(fsdp.memory_per_gpu_bytes)} per GPU, {_bytes(fsdp.memory['activations'])} of it activations "
             f"that only TP splits: {verdict}."
         )
-    published = p.model.published
-    if published and math.prod(published) == p.gpus:
-        matches = [(i, c) for i, c in enumerate(p.candidates) if (c.tp, c.pp, c.dp) == published]
-        fitting = [(i, c) for i, c in matches if c.fits]
-        layout = "TP {} x PP {} x DP {}".format(*published)
-        if fitting:
-            i, c = fitting[0]
-            out.append(
-                f"Published: {layout}; here it fits with ZeRO-{c.zero} at {_bytes(c.memory_per_gpu_bytes)} and "
-                f"ranks {i + 1} of {sum(c.fits for c in p.candidates)} fitting layouts ({c.step_time_s:.3g} s)."
-            )
-        elif matches:
-            out.append(f"Published: {layout}; here it needs {_bytes(matches[0][1].memory_per_gpu_bytes)}: no fit.")
-        else:
-            out.append(f"Published: {layout}; not among the layouts considered here.")
+    if p.model.published and published_gpus(p.model.published) == p.gpus:
+        out.append(_published_reason(p, published_candidate(p)))
     return out
+
+
+# Why a published layout can be estimated slower than the choice, by the part of the step that differs most.
+SLOWER_BECAUSE = {
+    "bubble_s": "this estimate models 1F1B; Llama 3 interleaves its stages and DeepSeek-V3 runs DualPipe, both "
+    "with smaller bubbles",
+    "ep_comm_s": "the all-to-alls are not overlapped here; DeepSeek-V3's DualPipe hides them behind another "
+    "microbatch's compute and its routing sends each token to at most 4 nodes (§3.2.1-3.2.2)",
+    "tp_comm_s": "TP's all-reduces in every layer are not overlapped",
+    "pp_comm_s": "more stages send more activations",
+    "cp_comm_exposed_s": "the CP ring's traffic exceeds the attention compute it hides behind",
+    "dp_comm_exposed_s": "ZeRO's traffic is not hidden by the backward",
+}
+
+
+def _published_reason(p: Plan, c: Candidate | None) -> str:
+    layout = describe_published(p.model.published)
+    if c is None:
+        return f"Published: {layout}; not among the layouts considered here (it does not split the batch)."
+    if not c.fits:
+        return f"Published: {layout}; here it needs {_bytes(c.memory_per_gpu_bytes)}: no fit."
+    fitting = [x for x in p.candidates if x.fits]
+    recompute = f", {c.recompute} recompute" if c.recompute != p.recompute else ""
+    text = (
+        f"Published: {layout}; here it fits with ZeRO-{c.zero}{recompute} at {_bytes(c.memory_per_gpu_bytes)} and "
+        f"ranks {1 + sum(x.step_time_s < c.step_time_s for x in fitting)} of {len(fitting)} fitting layouts "
+        f"({c.step_time_s:.3g} s)"
+    )
+    if c.step_time_s <= p.step_time_s * (1 + CLOSE):
+        return text + "."
+    part = max(c.time, key=lambda k: c.time[k] - p.time[k])
+    return text + (
+        f", {c.step_time_s / p.step_time_s - 1:.0%} slower than the choice, mostly {part[:-2].replace('_', ' ')} "
+        f"({c.time[part]:.3g} s against {p.time[part]:.3g} s): {SLOWER_BECAUSE[part]}."
+    )
+
+
+def published_candidate(p: Plan) -> Candidate | None:
+    """The published layout (:attr:`Model.published`) evaluated as the planner evaluates its own, on the plan's
+    GPUs and batch: at its ZeRO stage where the source states one, else the lowest that fits; without recompute
+    if that fits, else selective. None if its axes do not split the batch."""
+    pub = {axis: p.model.published.get(axis, 1) for axis in AXES}
+    m, rest = divmod(p.global_batch, pub["dp"] * p.micro_batch)
+    if rest or m < pub["pp"]:
+        return None
+    zeros = [p.model.published["zero"]] if "zero" in p.model.published else [0, 1, 2]
+    args = (p.gpus, p.gpus_per_node, p.gpu_mem_bytes, get_profile(p.hardware), p.global_batch, p.micro_batch)
+    tried = [
+        evaluate(p.model, Layout(pub["tp"], pub["pp"], pub["dp"], zero, m, pub["cp"], pub["ep"]), *args, p.precision, r)
+        for r in ("none", "selective")
+        for zero in zeros
+    ]
+    return next((c for c in tried if c.fits), tried[-1])
+
+
+def published_gpus(published: dict[str, int]) -> int:
+    """The GPUs a published layout's axes multiply to (EP is carved out of the others, not a factor)."""
+    return math.prod(published.get(axis, 1) for axis in ("tp", "cp", "pp", "dp"))
+
+
+def describe_published(published: dict[str, int]) -> str:
+    """A published layout as :func:`describe` writes a candidate's (ZeRO only where the source states it)."""
+    sizes = {axis: published.get(axis, 1) for axis in AXES}
+    zero = published.get("zero", 0)
+    return describe(
+        Candidate(
+            **sizes,
+            zero=zero,
+            microbatches=0,
+            recompute="",
+            fits=False,
+            memory_per_gpu_bytes=0.0,
+            bubble_fraction=0.0,
+            step_time_s=0.0,
+        ),
+        "zero" in published,
+    )

@@ -141,3 +141,19 @@ def test_a_recorded_data_parallel_run_replays_and_overlap_hides_comm():
     same = {k: v for k, v in after.summary().items() if k in ("compute_s", "comm_s")}
     assert during.summary()["compute_s"] == pytest.approx(same["compute_s"], rel=1e-9)
     assert during.summary()["comm_s"] == pytest.approx(same["comm_s"], rel=1e-9)
+
+
+def test_an_all_to_all_across_nodes_takes_3_2x_longer_on_h800s():
+    """DeepSeek-V3 §3.2.2: NVLink 160 GB/s against InfiniBand 50 GB/s. The same recorded all-to-all, uneven as
+    routing makes it (rank r sends (r + 1) x 10 MB to the others), on one node and spread over two."""
+    h800, n = PROFILES["h800"], 8
+    sent = [(r + 1) * 10e6 for r in range(n)]
+    programs = [[Issue(0), Wait(0)] for _ in range(n)]
+    records = [[record("all_to_all", range(n), sent[r])] for r in range(n)]
+    inside = replay(programs, records, "h800", gpus_per_node=8).step_time_s
+    across = replay(programs, records, "h800", gpus_per_node=4).step_time_s
+    # The busiest sender bounds it; n-1 peers, one latency each; the slowest link of the group.
+    assert inside == pytest.approx(80e6 / 160e9 + 7 * 2e-6, rel=1e-12)
+    assert across == pytest.approx(80e6 / 50e9 + 7 * 5e-6, rel=1e-12)
+    assert collective_time("all_to_all", 80e6, n, h800.inter_bandwidth, h800.inter_latency_s) == across
+    assert across / inside == pytest.approx(3.2, rel=0.01)

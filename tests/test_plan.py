@@ -106,10 +106,13 @@ def test_uneven_stages_only_as_llama3_cuts_them():
     assert not splits_layers(96, 64) and not splits_layers(4, 8)
 
 
-def test_moe_presets_are_planned_dense_and_say_so():
+def test_moe_presets_are_planned_with_experts_and_say_so():
     p = plan("mixtral-8x22b", gpus=256)
-    assert p.time["compute_s"] == pytest.approx(6 * 39e9 * p.global_batch * p.model.seq / 256 / (989e12 * 0.5))
-    assert "Expert parallelism, the next lesson's axis" in p.reasons[0]
+    m = p.model
+    # Compute from the 39.16B active parameters (6N) and causal attention (6 L s h), not from all 140.6B.
+    flops = 6 * m.active_params + 6 * 56 * 4096 * 6144
+    assert p.time["compute_s"] == pytest.approx(flops * p.global_batch * m.seq / 256 / (989e12 * 0.5), rel=1e-12)
+    assert p.ep > 1 and "39.2B active ones" in p.reasons[0] and "expert parallelism (EP) splits" in p.reasons[0]
 
 
 def test_model_from_dims_or_preset():

@@ -111,7 +111,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise SystemExit(f"memory: {err}") from None
-    axes = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
+    always, optional = {"dp": args.dp, "tp": args.tp, "pp": args.pp}, {"cp": args.cp, "ep": args.ep}
+    axes = always | optional
     data = {
         "params": params,
         "precision": args.precision,
@@ -121,7 +122,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         "bytes_per_device": result,
     }
     _write_json(data, args.json)
-    layout = " ".join(f"{k}={v}" for k, v in axes.items() if k in ("dp", "tp", "pp") or v > 1)
+    shown = always | {k: v for k, v in optional.items() if v > 1}  # cp and ep only where they split something
+    layout = " ".join(f"{k}={v}" for k, v in shown.items())
     experts = f" ({moe['expert_params']:,.0f} in routed experts)" if "expert_params" in moe else ""
     _say(args, f"{params:,.0f} parameters{experts}, {args.precision}, ZeRO-{args.zero}, {layout}")
     for key in (*CATEGORIES, "activations", "total"):

@@ -10,8 +10,10 @@ hold its T groups) passes K/V blocks in every layer, so it comes next, as in Meg
 and sit further apart. (Megatron puts pp outermost and dp inside it; the course keeps dp outermost, as its 3D lesson
 always had: a replica is then a block of consecutive ranks.) An axis of size 1 still has its groups, of one rank
 each, so code that reads ``mesh.groups["cp"]`` needs no special case. The expert axis (ep) of a mixture-of-experts
-model would slot in between pp and cp, where Megatron has it between cp and dp. :func:`joint_groups` builds a group
-over several axes at once, such as Megatron's dp-cp group over which context-parallel gradients are averaged.
+model is folded into dp, as Megatron-core folds it (ep just inside dp in its order): :func:`fold_experts` adds the
+groups of ep consecutive data-parallel ranks, ``ep``, and the expert-data-parallel groups of the ranks that hold the
+same experts, ``edp``, without changing the numbering. :func:`joint_group` builds a group over several axes at once,
+such as Megatron's dp-cp group over which context-parallel gradients are averaged.
 """
 
 from __future__ import annotations
@@ -134,6 +136,32 @@ def joint_group(mesh: Mesh, axes: tuple[str, ...]) -> tuple[dist.ProcessGroup, l
         if mesh.rank in ranks:
             mine = group, ranks, name
     return mine
+
+
+def expert_groups(sizes: dict[str, int], ep: int) -> dict[str, list[list[int]]]:
+    """The expert axes folded into dp (Megatron-core's "MoE parallel folding"; DeepSeek-V3, §3.2): ``ep``, groups
+    of ep consecutive data-parallel ranks (same pp, cp, tp; dp coordinates g ep .. g ep + ep - 1), over which an
+    MoE layer's experts are split; and ``edp``, the expert-data-parallel groups of the dp/ep ranks that hold the same
+    experts (dp coordinates j, j + ep, j + 2 ep, ...)."""
+    if ep < 1 or sizes["dp"] % ep:
+        raise ValueError(f"EP {ep} is carved out of DP {sizes['dp']}: it must be at least 1 and divide it")
+    groups: dict[str, dict[tuple, list[int]]] = {"ep": {}, "edp": {}}
+    for rank in range(math.prod(sizes.values())):
+        c = coords_of(rank, sizes)
+        rest = tuple(c[a] for a in AXES if a != "dp")
+        groups["ep"].setdefault((*rest, c["dp"] // ep), []).append(rank)
+        groups["edp"].setdefault((*rest, c["dp"] % ep), []).append(rank)
+    return {axis: list(by.values()) for axis, by in groups.items()}
+
+
+def fold_experts(mesh: Mesh, ep: int) -> None:
+    """Create the groups of :func:`expert_groups` (every rank must call it, with the same ``ep``) and add this rank's
+    to ``mesh.groups`` and ``mesh.members`` under ``ep`` and ``edp``, the names its ledger records them by."""
+    for axis, groups in expert_groups(mesh.sizes, ep).items():
+        for ranks in groups:
+            group = comm.new_group(ranks, axis)
+            if mesh.rank in ranks:
+                mesh.groups[axis], mesh.members[axis] = group, ranks
 
 
 def to_device_mesh(sizes: dict[str, int], device_type: str = "cpu") -> DeviceMesh:

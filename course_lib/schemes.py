@@ -205,6 +205,9 @@ def run_scheme(
             rank["modeled"] = {k: v for k, v in numbers.items() if k != "rank"}
     predicted_comm = spec.predict_comm(world_size, cfg, train, settings)
     if spec.routed_comm is not None:
-        routed = spec.routed_comm(list(result), cfg, train)
-        predicted_comm = [row | extra for row, extra in zip(predicted_comm, routed, strict=True)]
+        routed = spec.routed_comm(list(result), cfg, train, settings)
+        predicted_comm = [
+            {key: row.get(key, 0.0) + extra.get(key, 0.0) for key in row | extra}
+            for row, extra in zip(predicted_comm, routed, strict=True)
+        ]
     return SchemeRun(report, result, spec.predict_memory(world_size, cfg, train, settings), predicted_comm, modeled)

@@ -1,13 +1,16 @@
 """3D and 4D parallelism on 8 CPU ranks: every composition trains like one device, each axis moves what its formula
 says (tp inside stages, cp beside it, pp between them, dp across replicas, the tied embedding between first and last
-stage), and each rank holds the memory its prediction says."""
+stage, ep and edp for an MoE's experts folded over dp), and each rank holds the memory its prediction says."""
+
+import dataclasses
 
 import pytest
+import torch
 
 from course_lib import launch
 from course_lib.hardware import replay
 from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig, within_capacity
 from course_lib.parallel.three_d import predict_axis_traffic
 from course_lib.schemes import run_scheme
 
@@ -51,7 +54,7 @@ def test_axis_traffic_formula_by_hand_for_one_rank():
     traffic = predict_axis_traffic(
         CFG,
         TrainConfig(),
-        {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "kv": "ring", "zero": 0, "sp": False}
+        {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "kv": "ring", "zero": 0, "sp": False, "ep": 1}
         | {"schedule": "1f1b", "microbatches": 4, "chunks": 1},
         0,
     )
@@ -103,7 +106,7 @@ def test_context_parallel_grid_with_trained_positions_in_float32():
 def test_context_parallel_axis_traffic_by_hand_for_one_rank():
     """Rank 0 of TP 2 x CP 2 x DP 2, fp32, batch 8, 4 microbatches (1 sequence each, 16 of its 32 tokens)."""
     s, h, e, layers = CFG.seq, CFG.d_model, 4, CFG.layers
-    o = {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "kv": "ring", "zero": 0, "sp": False}
+    o = {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "kv": "ring", "zero": 0, "sp": False, "ep": 1}
     traffic = predict_axis_traffic(CFG, TrainConfig(), o | {"schedule": "1f1b", "microbatches": 4, "chunks": 1}, 0)
     S = e * 1 * (s // 2) * h  # one microbatch's activations, this rank's half of the tokens
     assert traffic["tp"] == 4 * (layers * 4 + 2) * (2 * 1 / 2) * S + 4 * 3 * (2 * 1 / 2) * e * (s // 2)
@@ -142,3 +145,55 @@ def test_impossible_grids_are_refused_before_any_rank_starts(grid, message, monk
     cfg = GPTConfig(layers=4, seq=grid.pop("seq", CFG.seq))
     with pytest.raises(ValueError, match=message):
         run_scheme("3d", 8, cfg, **grid)
+
+
+MOE = GPTConfig(layers=2, experts=4, top_k=2)
+EP_GRIDS = [
+    # One microbatch: counts over all four dp ranks, so capacity drops and the balance loss's f_i are the batch's.
+    (4, {"capacity_factor": 1.0}, {"tp": 1, "pp": 1, "dp": 4, "ep": 2, "microbatches": 1}),
+    # Microbatches route on their own: dropless, no balance loss. Two replicas of each expert, summed over edp.
+    (8, {"aux_loss_coef": 0.0}, {"tp": 1, "pp": 2, "dp": 4, "ep": 2, "microbatches": 2}),
+    # EP over all of DP (the ep scheme's layout): one copy of each expert, no edp group.
+    (4, {"top_k": 1, "capacity_factor": 1.25}, {"tp": 1, "pp": 1, "dp": 4, "ep": 4, "microbatches": 1}),
+]
+
+
+@pytest.mark.parametrize(("world", "moe", "grid"), EP_GRIDS, ids=["ep2-dp4-capacity", "ep2-pp2-dp4", "ep4-dp4-top1"])
+def test_expert_parallel_grid_trains_like_one_device_and_each_axis_moves_its_formula(world, moe, grid):
+    """EP folded over DP (x PP): float64 to 1e-12 of one device; every rank's bytes per axis as predicted, the ep
+    axis's all-to-alls from the counts its ranks report; its model states, E/ep experts per layer, too."""
+    cfg = dataclasses.replace(MOE, **moe)
+    run = run_scheme("3d", world, cfg, TrainConfig(steps=2, dtype="float64"), **grid)
+    assert run.report["max_abs_loss_diff"] <= 1e-12 and run.report["max_abs_param_diff"] <= 1e-12
+    for rank, sent, held in zip(run.report["ranks"], run.predicted_comm, run.predicted_memory, strict=True):
+        assert rank["comm_by_axis"] == sent
+        assert sent["ep"] > 0 and sent["dp"] > 0
+        assert sent["edp"] > 0 if grid["dp"] > grid["ep"] else "edp" not in sent
+        assert {c: rank["memory"][c] for c in CATEGORIES} == {c: held[c] for c in CATEGORIES}
+    routed = [torch.tensor(c) for r in run.result for c in r["routings"][-1]]
+    assert len(routed) == grid["microbatches"] * world * cfg.layers // grid["pp"]
+    assert all(c.shape == (grid["dp"] if grid["microbatches"] == 1 else grid["ep"], cfg.experts) for c in routed)
+    if cfg.capacity_factor is not None:  # the cap bit: the batch-wide counts decided what was dropped
+        assert any((within_capacity(c, cfg) < c).any() for c in routed)
+
+
+@pytest.mark.parametrize(
+    ("moe", "grid", "message"),
+    [
+        ({"experts": 0, "top_k": 1}, {"ep": 2}, "ep 2 splits the experts of an MoE model, and this model is dense"),
+        ({"experts": 3, "top_k": 1}, {"ep": 2}, "3 experts do not split evenly over 2 expert-parallel ranks"),
+        ({}, {"ep": 4, "pp": 4, "dp": 2}, "ep 4 is carved out of the data-parallel ranks .* must divide dp 2"),
+        ({}, {"tp": 2, "dp": 2}, "runs with tp 1 and cp 1, not tp 2 and cp 1"),
+        ({}, {"cp": 2, "dp": 2}, "runs with tp 1 and cp 1, not tp 1 and cp 2"),
+        ({}, {"zero": 1}, "ZeRO-1 with experts"),
+        ({}, {"schedule": "zb-h1"}, "zb-h1 with experts"),
+        ({"capacity_factor": 1.25}, {}, "with 2 microbatches each microbatch routes on its own"),
+        ({"aux_loss_coef": 0.01}, {}, "with 2 microbatches each microbatch routes on its own"),
+        ({"aux_loss_coef": 0.01}, {"microbatches": 1}, "a balance loss \\(aux_loss_coef=0.01\\) in a pipeline of 2"),
+    ],
+)
+def test_impossible_expert_grids_are_refused_before_any_rank_starts(moe, grid, message, monkeypatch):
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a rank started"))
+    cfg = dataclasses.replace(MOE, **{"aux_loss_coef": 0.0} | moe)
+    with pytest.raises(ValueError, match=message):
+        run_scheme("3d", 8, cfg, **({"tp": 1, "pp": 2, "dp": 4, "ep": 2, "microbatches": 2} | grid))

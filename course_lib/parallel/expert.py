@@ -89,27 +89,40 @@ def local_experts(experts: int, rank: int, world_size: int) -> range:
 
 class AllToAllDispatcher:
     """Tokens to the ranks that own their experts and back, by all-to-all (Megatron-core's
-    ``MoEAlltoAllTokenDispatcher``); the counts by all-gather (see the module docstring)."""
+    ``MoEAlltoAllTokenDispatcher``); the counts by all-gather (see the module docstring).
 
-    def __init__(self, experts: int, group: Group = None) -> None:
-        self.group, self.rank, self.n = group, dist.get_rank(group), dist.get_world_size(group)
-        self.local = local_experts(experts, self.rank, self.n)
+    ``counts_group`` (default: ``group``) is the group whose counts decide capacity and the balance loss's f_i: a
+    grid gathers them over all its data-parallel shares (:mod:`course_lib.parallel.three_d`), of which the EP group
+    ``group`` must be consecutive rows. ``rank`` is this rank's row of the gathered counts."""
+
+    def __init__(self, experts: int, group: Group = None, counts_group: Group = None) -> None:
+        self.group, self.n = group, dist.get_world_size(group)
+        self.counts_group = group if counts_group is None else counts_group
+        self.rank, me = dist.get_rank(self.counts_group), dist.get_rank(group)
+        self.first = self.rank - me  # the row of the EP group's first rank
+        if counts_group is not None:
+            rows = [dist.get_group_rank(counts_group, r) for r in dist.get_process_group_ranks(group)]
+            if rows != list(range(self.first, self.first + self.n)):
+                raise ValueError(f"the EP group's ranks are rows {rows} of the counts, not consecutive ones in order")
+        self.local = local_experts(experts, me, self.n)
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Every rank's assignments per expert, (n, E); forward only, tagged ``counts``."""
-        out = counts.new_empty((self.n, counts.numel()))
+        """Every rank's assignments per expert, (ranks of ``counts_group``, E); forward only, tagged ``counts``."""
+        out = counts.new_empty((dist.get_world_size(self.counts_group), counts.numel()))
         with trace.tags(phase="counts"):
-            comm.all_gather(out.view(-1), counts, self.group)
+            comm.all_gather(out.view(-1), counts, self.counts_group)
         return out
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """The rows of this rank's kept assignments, sorted by expert, sent to their experts' ranks; returns the rows
         that arrived here (by source rank, then expert), the local expert of each, and the plan to send them back."""
         order = routing.expert.argsort(stable=True)
-        per_rank = routing.kept.unflatten(1, (self.n, -1)).sum(2)  # (source, destination) rows
-        send, receive = per_rank[self.rank].tolist(), per_rank[:, self.rank].tolist()
+        kept = routing.kept[self.first : self.first + self.n]  # the EP group's rows, (source, expert)
+        per_rank = kept.unflatten(1, (self.n, -1)).sum(2)  # (source, destination) rows
+        me = self.rank - self.first
+        send, receive = per_rank[me].tolist(), per_rank[:, me].tolist()
         rows = AllToAll.apply(x[routing.token[order]], receive, send, self.group)
-        mine = routing.kept[:, self.local.start : self.local.stop]
+        mine = kept[:, self.local.start : self.local.stop]
         expert = torch.arange(self.local.start, self.local.stop, device=x.device).repeat(self.n)
         return rows, expert.repeat_interleave(mine.reshape(-1)), (order, send, receive)
 
@@ -124,9 +137,10 @@ class AllToAllDispatcher:
         return self.combine(moe.run_experts(rows, expert), plan)
 
 
-def shard_experts(moe: MoE, group: Group = None) -> None:
-    """Keep only this rank's experts of ``moe`` (under their single-device names) and dispatch by all-to-all."""
-    moe.dispatcher = AllToAllDispatcher(moe.cfg.experts, group)
+def shard_experts(moe: MoE, group: Group = None, counts_group: Group = None) -> None:
+    """Keep only this rank's experts of ``moe`` (under their single-device names) and dispatch by all-to-all over
+    ``group`` (counts gathered over ``counts_group``, default ``group``: see :class:`AllToAllDispatcher`)."""
+    moe.dispatcher = AllToAllDispatcher(moe.cfg.experts, group, counts_group)
     for e in range(moe.cfg.experts):
         if e not in moe.dispatcher.local:
             del moe.experts[str(e)]
@@ -212,25 +226,28 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     return [dict(row) for _ in range(n)]
 
 
-def all_to_all_bytes(counts: list, cfg: GPTConfig, train: TrainConfig) -> list[float]:
-    """Each rank's all-to-all bytes in a step whose layers routed ``counts`` (per layer, source rank x expert: one
-    step of what the rank function reports). Rank r sends the rows of its kept assignments owned by other ranks
-    (dispatch) and the rows other ranks sent it (combine), d_model elements each; backward sends the same again,
-    reversed."""
+def all_to_all_bytes(counts: list, cfg: GPTConfig, train: TrainConfig, ep: int | None = None) -> list[float]:
+    """Each row's (source rank's) all-to-all bytes in a step whose layers routed ``counts`` (per layer, source rank
+    x expert: one step of what the rank function reports). Capacity is over all the rows; the EP groups are blocks
+    of ``ep`` consecutive rows (default: one group of all of them). Rank r sends the rows of its kept assignments
+    owned by other ranks of its EP group (dispatch) and the rows they sent it (combine), d_model elements each;
+    backward sends the same again, reversed."""
     row_bytes = cfg.d_model * train.torch_dtype.itemsize
-    n = len(counts[0])
-    sent = [0.0] * n
+    sources = len(counts[0])
+    n = ep or sources
+    sent = [0.0] * sources
     for layer in counts:
         kept = within_capacity(torch.tensor(layer), cfg)
-        per_rank = kept.unflatten(1, (n, -1)).sum(2)  # (source, destination) rows
-        for r in range(n):
-            away = per_rank[r].sum() - per_rank[r, r]
-            arrived = per_rank[:, r].sum() - per_rank[r, r]
-            sent[r] += 2 * float(away + arrived) * row_bytes
+        for first in range(0, sources, n):
+            per_rank = kept[first : first + n].unflatten(1, (n, -1)).sum(2)  # (source, destination) rows
+            for r in range(n):
+                away = per_rank[r].sum() - per_rank[r, r]
+                arrived = per_rank[:, r].sum() - per_rank[r, r]
+                sent[first + r] += 2 * float(away + arrived) * row_bytes
     return sent
 
 
-def routed_comm(results: list[dict], cfg: GPTConfig, train: TrainConfig) -> list[dict]:
+def routed_comm(results: list[dict], cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Each rank's all-to-all bytes in the last step, from the counts its ranks report (:func:`all_to_all_bytes`)."""
     return [{"all_to_all": sent} for sent in all_to_all_bytes(results[0]["counts"][-1], cfg, train)]
 

@@ -57,8 +57,8 @@ class Scheme:
     refuses an MoE model for the others. ``model_settings`` are the fields of :class:`course_lib.models.GPTConfig`
     the command line and the demo give the scheme's model unless the user gives them (``ep``: 8 experts, top-2).
     ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
-    the ranks' reports: ``routed_comm(results, cfg, train)`` gives each rank's bytes by collective, which the
-    harness adds to ``predict_comm``'s.
+    the ranks' reports and the settings: ``routed_comm(results, cfg, train, o)`` gives each rank's bytes by
+    collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key.
     """
 
     name: str
@@ -73,7 +73,7 @@ class Scheme:
     layers_needed: Callable[[int, dict], int] | None = None
     moe: bool = False
     model_settings: dict = field(default_factory=dict)
-    routed_comm: Callable[[list[dict], GPTConfig, TrainConfig], list[dict]] | None = None
+    routed_comm: Callable[[list[dict], GPTConfig, TrainConfig, dict], list[dict]] | None = None
 
     def settings(self, options: dict) -> dict:
         """Every keyword of the rank function: ``options`` over its defaults. Refuses an option the scheme does not

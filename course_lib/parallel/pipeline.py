@@ -22,7 +22,7 @@ from torch import nn
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, make_optimizer
+from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.schedules import Action, bubble_formula, default_costs, generate, simulate
@@ -61,13 +61,20 @@ class PipelineStage(nn.Module):
         self.embed, self.output_loss = model.embed, model.output_loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (first stage) or activations in; activations out, or the loss on the last stage."""
+        """Token ids (first stage) or activations in; activations out, or the loss on the last stage. A stage that
+        is the whole model adds an MoE's balance losses to it, as :class:`TinyGPT` does (a stage of a longer pipeline
+        does not: :mod:`course_lib.parallel.three_d` refuses a balance loss there)."""
         if self.first:
             x = self.embed(x)
         for i, block in zip(self.layers, self.blocks, strict=True):
             with trace.tags(layer=i):
                 x = block(x)
-        return self.output_loss(x, targets) if self.last else x
+        if not self.last:
+            return x
+        loss = self.output_loss(x, targets)
+        if self.first and isinstance(self.blocks[0].mlp, MoE):
+            loss = loss + sum(block.mlp.aux_loss for block in self.blocks)
+        return loss
 
     def reference_names(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the one-device model's names."""

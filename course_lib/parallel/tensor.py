@@ -479,6 +479,8 @@ class TensorParallelGPT(TinyGPT):
         super().__init__(cfg, seed, dtype)
         t, r = dist.get_world_size(group), dist.get_rank(group)
         check_tensor_parallel(cfg, t, sp)
+        if cfg.experts and t > 1:
+            raise ValueError("the course splits no mixture of experts over tensor-parallel ranks: use a TP group of 1")
         self.group, self.sp, self.tp, self.tp_rank = group, sp, t, r
         h, v = cfg.d_model, cfg.vocab
         self.vocab_lo = r * v // t
@@ -490,8 +492,9 @@ class TensorParallelGPT(TinyGPT):
                 attn.qkv = ColumnParallelLinear(heads, None, group, sp)
                 attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp=sp)
                 attn.heads = cfg.heads // t
-                mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
-                mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
+                if not cfg.experts:  # an MoE stays whole (a TP group of one rank)
+                    mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
+                    mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
 
     def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """The position embeddings of this rank's tokens: all of them, or its sequence shard under SP."""

@@ -19,6 +19,33 @@ collective is recorded under its axis (``dp-cp`` for the joint group, when both 
 
 One scheme rather than a separate ``4d``: CP is one more axis of the same grid, with the same stage, schedule and
 gradient code; ``cp 1`` (the default) is the 3D scheme unchanged, with the one-device attention.
+
+**Experts** (``ep``; an MoE tiny GPT, ``GPTConfig.experts`` > 0). The expert-parallel axis is carved out of the
+data-parallel ranks, as in Megatron-core's "MoE parallel folding" (Liu et al. 2025, "MoE Parallel Folding") and
+DeepSeek-V3 (DeepSeek-AI 2024, §3.2: PP 16 x DP 128 with EP 64 folded over DP): ``ep`` must divide ``dp``, and the
+EP groups are ep consecutive DP replicas of a stage (``ep`` on the ledger, :func:`course_lib.mesh.fold_experts`),
+over which each of the stage's MoE layers splits its experts and sends tokens by all-to-all
+(:class:`course_lib.parallel.expert.AllToAllDispatcher`); the dp/ep ranks that hold the same experts form the
+expert-data-parallel group (``edp``). Dense gradients are averaged over dp as before. An expert's gradient on a rank
+already sums the losses of its EP group's ranks (their tokens reached it through the all-to-all), each loss the mean
+over one of the dp data shares; so the edp group sums the experts' gradients over the replicas and divides them by
+dp, the number of shares (with ep = dp, no edp sum: ``ep``'s division by n). The one-device reference routes, caps
+and balances over the whole batch:
+
+* with one microbatch (``microbatches`` 1), each layer's counts are gathered over the whole dp group, not just the
+  EP group, so capacity (first come in token order: dp shares are blocks of the batch) and the balance loss's f_i
+  are the batch's, exactly (global-batch load balancing; Qiu et al. 2025, "Demons in the Detail");
+* with several microbatches, each routes on its own, as in Megatron (routing and aux loss per micro-batch): the
+  reference's capacity and f_i depend on the whole batch, which exists only once every microbatch has run, and
+  sum_i f_i P_i is not additive over microbatches. Per-microbatch routing is the reference's only when the model is
+  dropless and has no balance loss, so ``validate`` refuses ``capacity_factor`` or ``aux_loss_coef`` > 0 then;
+  the counts are gathered over the EP group only, for the all-to-all's splits. The balance loss also needs the
+  whole model in one stage (a pipeline stage's backward carries no second loss).
+
+Not built, and refused by ``validate``: experts with tp or cp > 1 (no expert tensor parallelism; CP's token chunks
+are not a block of the batch in token order), with ZeRO-1 (the experts' states would shard over edp), and with
+zb-h1 (its W pass would repeat the all-to-alls). ``routed_comm`` predicts the ``ep`` axis's all-to-all bytes from
+the counts each rank reports per step, microbatch and layer.
 """
 
 from __future__ import annotations
@@ -32,8 +59,18 @@ from torch import nn
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
 from course_lib.memory import adamw_state_bytes
-from course_lib.mesh import AXES, Mesh, axis_groups, build_mesh, check_sizes, coords_of, joint_axes, joint_group
-from course_lib.models import GPTConfig, TrainConfig, make_optimizer, optimizer_settings
+from course_lib.mesh import (
+    AXES,
+    Mesh,
+    axis_groups,
+    build_mesh,
+    check_sizes,
+    coords_of,
+    fold_experts,
+    joint_axes,
+    joint_group,
+)
+from course_lib.models import GPTConfig, MoE, TrainConfig, make_optimizer, optimizer_settings
 from course_lib.parallel.context import (
     KV,
     TensorContextParallelGPT,
@@ -42,6 +79,7 @@ from course_lib.parallel.context import (
     sequence_shard,
 )
 from course_lib.parallel.data import all_reduce_grads, train_loop
+from course_lib.parallel.expert import all_to_all_bytes, expert_params, local_experts, shard_experts
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.pipeline import (
     CHUNKS,
@@ -79,7 +117,9 @@ class GridSync(PipelineSync):
     """What a grid rank does after its schedule: under SP, sum the sequence-parallel gradients over TP; sum the tied
     embedding's gradient between the first and the last stage; average every gradient over DP x CP (the dp-cp
     group ``grads``), or with ``zero`` reduce-scatter them to ZeRO-1 slices over it (whose step all-gathers the
-    updated parameters)."""
+    updated parameters). With experts, the experts' gradients are summed over the edp group instead and divided
+    by DP (see the module docstring), and ``counts`` keeps, per step, what each MoE layer's router counted in each
+    forward pass (microbatch), in the order they ran."""
 
     def __init__(
         self, stages: dict[int, PipelineStage], train: TrainConfig, mesh: Mesh, tied, grads, sp: bool, zero: int
@@ -100,7 +140,13 @@ class GridSync(PipelineSync):
             optimizer = make_optimizer(held.parameters(), train)
         super().__init__(stages, optimizer, tied, {axis: mesh.coords[axis] for axis in AXES})
         self.mesh, self.grads, self.sp, self.zero = mesh, grads, sp, zero
-        self.sp_params, self.all_params = sequence_parallel_params(held), list(held.parameters())
+        self.sp_params, self.experts = sequence_parallel_params(held), expert_params(held)
+        experts = {id(p) for p in self.experts}
+        self.dense = [p for p in held.parameters() if id(p) not in experts]
+        self.counts: list[list] = []
+        self._routed: list = []
+        for moe in (m for m in held.modules() if isinstance(m, MoE)):
+            moe.register_forward_hook(lambda module, args, out: self._routed.append(module.counts.tolist()))
 
     def finish_gradients(self) -> None:
         if self.sp:
@@ -109,7 +155,14 @@ class GridSync(PipelineSync):
         if self.zero:
             self.optimizer.finish_gradient_synchronization()
         else:
-            all_reduce_grads(self.all_params, self.grads, average=True)
+            all_reduce_grads(self.dense, self.grads, average=True)
+        if self.experts:
+            if len(self.mesh.members["edp"]) > 1:
+                all_reduce_grads(self.experts, self.mesh.groups["edp"])
+            for p in self.experts:
+                p.grad.div_(self.mesh.sizes["dp"])
+            self.counts.append(self._routed)
+            self._routed = []
 
 
 def tied_embedding_group(mesh: Mesh) -> comm.Group:
@@ -145,14 +198,22 @@ def train_3d(
     schedule: str = "1f1b",
     microbatches: int = 4,
     chunks: int = 1,
+    ep: int = 1,
     measure_memory: bool = True,
 ) -> dict:
-    """Rank function: the world is a dp x pp x cp x tp grid; see the module docstring."""
+    """Rank function: the world is a dp x pp x cp x tp grid, with an MoE's experts split over ``ep`` of the dp
+    ranks; see the module docstring. With experts, ``routings`` reports per step the counts of every routing (each
+    microbatch's, each MoE layer's of this rank's stages, as they ran): (ranks of the counts' group, experts)."""
     mesh = build_mesh(dp=dp, pp=pp, cp=cp, tp=tp)
     tied = tied_embedding_group(mesh)
     grads, *_ = joint_group(mesh, GRAD_AXES)
     model = grid_model(cfg, train, mesh, sp, kv)
     stages = build_stages(model.to(launch.rank_device()), mesh.coords["pp"], pp, chunks)
+    if cfg.experts:
+        fold_experts(mesh, ep)
+        counted = mesh.groups[counts_axis(microbatches)]
+        for moe in (m for s in stages.values() for m in s.modules() if isinstance(m, MoE)):
+            shard_experts(moe, mesh.groups["ep"], counted)
     strategy = GridSync(stages, train, mesh, tied, grads, sp, zero)
     table = generate(schedule, pp, microbatches, chunks)[mesh.coords["pp"]]
     run_schedule = schedule_runner(
@@ -183,7 +244,14 @@ def train_3d(
         for s in stages.values()
         for name, p in s.reference_names().items()
     }
-    return {**report, "losses": report["losses"] if mesh.coords["pp"] == pp - 1 else None, "params": params}
+    last = report["losses"] if mesh.coords["pp"] == pp - 1 else None
+    return {**report, "losses": last, "params": params} | ({"routings": strategy.counts} if cfg.experts else {})
+
+
+def counts_axis(microbatches: int) -> str:
+    """The axis whose group gathers an MoE layer's counts: ``dp`` with one microbatch (capacity and the balance
+    loss's f_i over the whole batch), else ``ep`` (only the all-to-all's splits; see the module docstring)."""
+    return "dp" if microbatches == 1 else "ep"
 
 
 def _tokens_per_rank(cfg: GPTConfig, tp: int, cp: int, sp: bool) -> int:
@@ -197,6 +265,9 @@ def _axis(name: str, default: int) -> Option:
 
 
 TP, CP, PP, DP = _axis("tp", 2), _axis("cp", 1), _axis("pp", 2), _axis("dp", 2)
+EP = Option(
+    "ep", "expert-parallel size, carved out of the DP ranks: an MoE's experts split over EP of them (default 1)", int
+)
 ZERO = Option("zero", "ZeRO-1 over the data-parallel (x context-parallel) ranks", int, choices=(0, 1))
 SP = Option("sp", "sequence parallel inside the tensor-parallel groups")
 
@@ -209,6 +280,7 @@ def grid_sizes(world_size: int, o: dict) -> dict[str, int]:
 
 def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
     grid_sizes(world_size, o)
+    check_experts(cfg, o)
     check_context_parallel(cfg, o["cp"], o["kv"])
     check_tensor_parallel(cfg, o["tp"], False)
     if o["sp"] and _tokens_per_rank(cfg, 1, o["cp"], False) % o["tp"]:
@@ -230,12 +302,89 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
     check_pipeline(cfg, train.batch // o["dp"], o["pp"], o)
 
 
-def _trainable_shards(stages: dict[int, PipelineStage], t: int) -> list[tuple[int, ...]]:
+def check_experts(cfg: GPTConfig, o: dict) -> None:
+    """An expert-parallel grid the course builds and that trains like one device (see the module docstring)."""
+    ep, m = o["ep"], o["microbatches"]
+    if not cfg.experts:
+        if ep != 1:
+            raise ValueError(
+                f"ep {ep} splits the experts of an MoE model, and this model is dense (experts=0); give it experts "
+                f"(GPTConfig(experts=E), --experts E, with E a multiple of {ep}) or use ep 1"
+            )
+        return
+    if o["tp"] > 1 or o["cp"] > 1:
+        raise ValueError(
+            f"an MoE model in the grid runs with tp 1 and cp 1, not tp {o['tp']} and cp {o['cp']}: the course splits "
+            "no expert over tensor-parallel ranks (Megatron's expert tensor parallelism), and a context-parallel "
+            "rank's tokens are chunks of every sequence, not the block of the batch in token order that capacity "
+            "and the all-to-all's rows assume; use tp 1 and cp 1, with the experts split over ep of the dp ranks"
+        )
+    if ep < 1 or o["dp"] % ep:
+        raise ValueError(
+            f"ep {ep} is carved out of the data-parallel ranks (Megatron's MoE parallel folding): it must divide "
+            f"dp {o['dp']}; use an ep that divides {o['dp']}"
+        )
+    if cfg.experts % ep:
+        raise ValueError(
+            f"{cfg.experts} experts do not split evenly over {ep} expert-parallel ranks; use a number of experts "
+            f"that is a multiple of {ep}, or an ep that divides {cfg.experts}"
+        )
+    if o["zero"]:
+        raise ValueError(
+            "ZeRO-1 with experts: the experts' optimizer states would shard over the expert-data-parallel group, "
+            "which the course does not build; use zero 0"
+        )
+    if o["schedule"] == "zb-h1":
+        raise ValueError(
+            "zb-h1 with experts: the course's W pass is a second backward over the retained graph, which would "
+            "repeat the MoE layers' all-to-alls; use gpipe, 1f1b or interleaved"
+        )
+    if m > 1 and (cfg.capacity_factor is not None or cfg.aux_loss_coef):
+        raise ValueError(
+            f"with {m} microbatches each microbatch routes on its own (as in Megatron: routing and balance loss per "
+            f"micro-batch), but the one-device reference caps each expert and takes the balance loss's f_i over the "
+            f"whole batch, which exists only once every microbatch has run, and f_i x P_i does not add up over "
+            f"microbatches (capacity_factor={cfg.capacity_factor}, aux_loss_coef={cfg.aux_loss_coef}); use a "
+            "dropless model without balance loss (capacity_factor None and aux_loss_coef 0: --aux-loss-coef 0, "
+            "no --capacity-factor), or microbatches 1"
+        )
+    if cfg.aux_loss_coef and o["pp"] * o["chunks"] > 1:
+        raise ValueError(
+            f"a balance loss (aux_loss_coef={cfg.aux_loss_coef}) in a pipeline of {o['pp'] * o['chunks']} stages: "
+            "each stage's MoE layers would add a second loss to a backward that carries only the last stage's; "
+            "use aux_loss_coef 0 (--aux-loss-coef 0), or pp 1 and chunks 1"
+        )
+
+
+def _held_params(stages: dict[int, PipelineStage], ep: int, j: int) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a rank's stages hold (:func:`reference_params`) without the experts of the other ranks of its
+    EP group, of which it is rank ``j`` of ``ep``."""
+    others = {
+        id(q)
+        for s in stages.values()
+        for moe in s.modules()
+        if isinstance(moe, MoE)
+        for name, mlp in moe.experts.items()
+        if int(name) not in local_experts(moe.cfg.experts, j, ep)
+        for q in mlp.parameters()
+    }
+    return [(name, q) for name, q in reference_params(stages) if id(q) not in others]
+
+
+def _trainable_shards(
+    stages: dict[int, PipelineStage], t: int, ep: int = 1, j: int = 0, experts: bool | None = None
+) -> list[tuple[int, ...]]:
     """The shapes of the tensor-parallel shards of the trainable parameters a rank's stages hold, in the order its
-    optimizer takes them (:class:`GridSync`: the stages' parameters), which decides ZeRO-1's buckets."""
+    optimizer takes them (:class:`GridSync`: the stages' parameters), which decides ZeRO-1's buckets; as rank ``j``
+    of an EP group of ``ep``, only its own experts; ``experts`` True or False: only the experts', or the others'."""
     order = {id(q): i for i, q in enumerate(nn.ModuleList(stages.values()).parameters())}
-    named = sorted(reference_params(stages), key=lambda item: order[id(item[1])])
-    return [shard_shape(name, q, t) for name, q in named if q.requires_grad]
+    expert = {id(q) for s in stages.values() for q in expert_params(s)}
+    named = sorted(_held_params(stages, ep, j), key=lambda item: order[id(item[1])])
+    return [
+        shard_shape(name, q, t)
+        for name, q in named
+        if q.requires_grad and (experts is None or experts == (id(q) in expert))
+    ]
 
 
 def _zero1_padded(shapes: list[tuple[int, ...]], dtype: torch.dtype, dp: int) -> list[int]:
@@ -249,14 +398,19 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     ``zero`` 1 ZeRO-1's padded flat buffers over the n = d c ranks of its dp-cp group (Pad elements in k buffers):
     full parameters (views into the buffers) and gradients, 2e Pad/n of AdamW moments and a 4-byte step counter per
     buffer; and, with cp 1, the activation peak of its pipeline table for microbatches of b/(d m) sequences, as one
-    rank of its tensor-parallel group keeps them (no activation formula yet for a context-parallel grid)."""
+    rank of its tensor-parallel group keeps them (no activation formula yet for a context-parallel grid, nor for an
+    MoE's, whose experts save what the router sends them). With experts, a rank holds E/ep of each MoE layer's."""
     sizes = grid_sizes(world_size, o)
     e, t, n = train.torch_dtype.itemsize, o["tp"], o["dp"] * o["cp"]
     micro = train.batch // (o["dp"] * o["microbatches"])
-    peaks = activation_peaks(cfg, train, o["pp"], o, micro, tp=t, sp=o["sp"])
-    by_stage = []
-    for stages, peak in zip(stage_layout(cfg, train, o["pp"], o["chunks"]), peaks, strict=True):
-        shapes = _trainable_shards(stages, t)
+    layout = stage_layout(cfg, train, o["pp"], o["chunks"])
+    exact = o["cp"] == 1 and not cfg.experts
+    peaks = activation_peaks(cfg, train, o["pp"], o, micro, tp=t, sp=o["sp"]) if exact else [None] * len(layout)
+    rows = []
+    for rank in range(world_size):
+        c = coords_of(rank, sizes)
+        stages = layout[c["pp"]]
+        shapes = _trainable_shards(stages, t, o["ep"], c["dp"] % o["ep"])
         frozen = sum(q.numel() for _, q in reference_params(stages) if not q.requires_grad)
         if o["zero"]:
             pad = _zero1_padded(shapes, train.torch_dtype, n)
@@ -264,8 +418,8 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
             states["optimizer"] = 2 * e * sum(pad) // n + 4 * len(pad)
         else:
             states = adamw_state_bytes(e, sum(math.prod(shape) for shape in shapes), frozen, len(shapes))
-        by_stage.append(states | ({"activations": peak} if o["cp"] == 1 else {}))
-    return [dict(by_stage[coords_of(rank, sizes)["pp"]]) for rank in range(world_size)]
+        rows.append(states | ({"activations": peaks[c["pp"]]} if exact else {}))
+    return rows
 
 
 def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int) -> dict:
@@ -279,7 +433,11 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     elements. pp: one message of (b/(d m)) x s/C (/t under SP) x h elements per transfer in its table. embedding:
     the tied embedding's gradient shard (V/t x h) summed between the first and last stage. dp (dp-cp when both
     axes are longer than one rank; its gradients' group, :func:`course_lib.mesh.joint_group`): all-reduce of every
-    gradient it holds (ZeRO-1: reduce-scatter plus all-gather of its padded buckets) over the d c ranks.
+    gradient it holds (ZeRO-1: reduce-scatter plus all-gather of its padded buckets) over the d c ranks; with
+    experts, every gradient but the experts'. The experts' (E/ep of each MoE layer) are all-reduced over the d/ep
+    ranks of edp. Each MoE layer's counts, n x E int64, are all-gathered in each of the m forward passes over its
+    counts' group: dp with one microbatch (n = d), else ep (n = ep). The ``ep`` axis's all-to-alls depend on the
+    routing: :func:`routed_comm` adds them.
     """
     sizes = grid_sizes(o["tp"] * o["cp"] * o["pp"] * o["dp"], o)
     c, t, p, n = coords_of(rank, sizes), o["tp"], o["pp"], o["dp"] * o["cp"]
@@ -301,19 +459,44 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
         out["pp"] = float(sum(a.kind.startswith("SEND") for a in table) * e * micro * tokens * cfg.d_model)
     if p > 1 and (first or last):
         out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
-    shapes = _trainable_shards(stages, t)
+    ep, j = o["ep"], c["dp"] % o["ep"]
+    shapes = _trainable_shards(stages, t, ep, j, experts=False if cfg.experts else None)
     if o["zero"]:  # reduce-scatter and all-gather of this rank's tensor-parallel shards, in padded buckets
         numel = sum(_zero1_padded(shapes, train.torch_dtype, n))
     else:
         numel = sum(math.prod(shape) for shape in shapes)
     grads = "-".join(joint_axes(sizes, GRAD_AXES))
     out[grads] = out.get(grads, 0.0) + ring_factor("all_reduce", n) * e * numel
+    if cfg.experts:
+        axis = counts_axis(m)
+        n_counts = o[axis]
+        out[axis] = (
+            out.get(axis, 0.0) + m * len(layers) * ring_factor("all_gather", n_counts) * n_counts * cfg.experts * 8
+        )
+        replicas = o["dp"] // ep
+        if replicas > 1:
+            held = sum(math.prod(shape) for shape in _trainable_shards(stages, t, ep, j, experts=True))
+            out["edp"] = ring_factor("all_reduce", replicas) * e * held
     return out
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Each rank's bytes by axis (:func:`predict_axis_traffic`)."""
     return [predict_axis_traffic(cfg, train, o, rank) for rank in range(world_size)]
+
+
+def routed_comm(results: list[dict], cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
+    """Each rank's bytes on the ``ep`` axis in the last step: the all-to-alls of every routing it reports (each
+    microbatch's, each MoE layer's), by :func:`course_lib.parallel.expert.all_to_all_bytes` on the counts of its
+    counts' group (the dp group, whose EP groups are blocks of ep rows, or its EP group), at its row."""
+    if not cfg.experts:
+        return [{} for _ in results]
+    sizes = grid_sizes(len(results), o)
+    rows = []
+    for rank, result in enumerate(results):
+        row = coords_of(rank, sizes)["dp"] % o[counts_axis(o["microbatches"])]  # its row of the counts
+        rows.append({"ep": all_to_all_bytes(result["routings"][-1], cfg, train, o["ep"])[row]})
+    return rows
 
 
 def describe(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> dict:
@@ -323,14 +506,19 @@ def describe(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> di
 SCHEMES = (
     Scheme(
         "3d",
-        "tensor (and context) parallel inside stages, pipeline across them, data parallel (or ZeRO-1) on top",
+        "tensor (and context) parallel inside stages, pipeline across them, data parallel (or ZeRO-1) on top, an "
+        "MoE's experts split over ep of the data-parallel ranks",
         train_3d,
         validate,
         predict_memory,
         predict_comm,
-        (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS),
+        (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP),
         axes=("tp", "cp", "pp", "dp"),
         describe=describe,
         layers_needed=lambda world_size, o: o["pp"] * o["chunks"],
+        moe=True,
+        # An MoE in a pipeline of microbatches trains without the balance loss (see check_experts).
+        model_settings={"aux_loss_coef": 0.0},
+        routed_comm=routed_comm,
     ),
 )

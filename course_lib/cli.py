@@ -565,6 +565,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from course_lib.goodput import LLAMA3, choose_interval
+
+    mtbf_gpu_h = args.mtbf_gpu_hours or LLAMA3.mtbf_gpu_hours()
+    try:
+        c = choose_interval(
+            args.preset,
+            args.gpus,
+            mtbf_gpu_h * 3600,
+            args.write_gbps * 1e9,
+            args.restart_min * 60,
+            storage_bandwidth=args.storage_tbps * 1e12 if args.storage_tbps else math.inf,
+            deduplicate=args.deduplicate,
+            stall_s=args.stall_s,
+        )
+    except ValueError as err:
+        raise SystemExit(f"goodput: {err}") from None
+    _write_json({"mtbf_gpu_hours": mtbf_gpu_h, **asdict(c)}, args.json)
+    _say(args, f"{args.preset} on {args.gpus} GPUs, {c.layout}")
+    _say(
+        args,
+        f"  checkpoint {c.checkpoint_bytes / 1e9:.3g} GB per rank, written in {c.checkpoint_s:.3g} s"
+        + (f" in the background (stall {args.stall_s:g} s)" if c.async_checkpoint else ""),
+    )
+    _say(args, f"  MTBF {mtbf_gpu_h:.6g} h per GPU -> {c.mtbf_job_s / 3600:.3g} h for the job")
+    _say(args, f"  Young {c.young_s / 60:.3g} min, Daly {c.daly_s / 60:.3g} min: expected goodput {c.goodput:.1%}")
+    for interval, goodput in c.table:
+        _say(args, f"    every {interval / 60:8.3g} min   goodput {goodput:6.1%}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def _number(text: str, kind: type, least: float, strict: bool) -> float:
     """Parse ``text`` as ``kind``; refuse NaN, infinity and values below ``least`` (or equal to it if ``strict``)."""
@@ -714,6 +747,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--micro-batch", type=_positive_int, default=1)
     pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
     pl.set_defaults(func=cmd_plan)
+
+    gp = sub.add_parser("goodput", help="checkpoint interval and goodput for a model on a cluster (Young, Daly)")
+    gp.add_argument("--preset", choices=sorted(PRESETS), default="llama3-405b", help="a published model")
+    gp.add_argument("--gpus", type=_positive_int, required=True)
+    gp.add_argument(
+        "--mtbf-gpu-hours", type=_positive_float, help="MTBF of one GPU (default: Llama 3's, 16,384 x 1296 h / 419)"
+    )
+    gp.add_argument("--write-gbps", type=_positive_float, default=2.0, help="write bandwidth per rank, GB/s")
+    gp.add_argument("--storage-tbps", type=_positive_float, help="aggregate storage bandwidth, TB/s (default: no cap)")
+    gp.add_argument("--restart-min", type=_nonnegative_float, default=10.0, help="minutes to restart after a failure")
+    gp.add_argument("--stall-s", type=_positive_float, help="asynchronous checkpoints: seconds training stalls")
+    gp.add_argument("--deduplicate", action="store_true", help="replicas written once, spread over the ranks")
+    gp.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
+    gp.set_defaults(func=cmd_goodput, parser=gp)
 
     for p in (mem, run, demo, sch, hw, pl):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, params_from_dims
 from course_lib.models import GPTConfig, TrainConfig, within_capacity
@@ -306,11 +307,24 @@ def _limits(args) -> dict:
     return {"timeout": args.timeout, "stall_timeout": args.stall_timeout, "max_ranks": args.max_ranks}
 
 
+def _fault(args) -> Fault | None:
+    """The fault plan of ``--kill-rank R --at-step K [--fault KIND] [--fault-phase PHASE]``, or None."""
+    where = {"--kill-rank": args.kill_rank, "--at-step": args.at_step}
+    given = [flag for flag, value in where.items() if value is not None]
+    if not given and args.fault is None and args.fault_phase is None:
+        return None
+    if len(given) < 2:
+        got = " ".join(given) or "neither"
+        raise SystemExit(f"run {args.scheme}: a fault needs both --kill-rank R and --at-step K (given: {got})")
+    return Fault(args.kill_rank, args.at_step, args.fault or "kill", args.fault_phase or "forward")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from course_lib import launch
     from course_lib.schemes import ALIASES, SCHEMES, run_scheme
 
     spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
+    fault = _fault(args)
     options, axis_size = _scheme_settings(args, spec)
     settings = spec.settings(options)
     world_size = _world_size(args, spec, settings, axis_size)
@@ -329,7 +343,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
-            in_process=world_size == 1 and not launch.under_torchrun(),
+            in_process=world_size == 1 and not launch.under_torchrun() and fault is None,
+            fault=fault,
             **_limits(args),
             **options,
         )
@@ -710,6 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--top-k", type=_positive_int, help="experts each token goes to")
     moe.add_argument("--capacity-factor", type=_positive_float, help="cap each expert's load (default: dropless)")
     moe.add_argument("--aux-loss-coef", type=_nonnegative_float, help="load-balancing loss weight (default 0.01)")
+    broken = run.add_argument_group("failure injection (the run then ends in the launcher's report of the failure)")
+    broken.add_argument("--kill-rank", type=_natural, metavar="R", help="the rank that fails (with --at-step)")
+    broken.add_argument("--at-step", type=_natural, metavar="K", help="the step it fails in, from 0")
+    broken.add_argument("--fault", choices=KINDS, help="how it fails (default kill: SIGKILL)")
+    broken.add_argument("--fault-phase", choices=PHASES, help="where in the step (default forward: its start)")
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")

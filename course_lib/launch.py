@@ -16,8 +16,9 @@ for its device.
   gathered, so the same rank function serves notebooks, tests and multi-node GPU jobs.
 
 Failures become a :class:`RankError` in the caller: a rank that raises (with its traceback), a rank that dies
-without reporting (its exit code), and a run that outlives ``timeout`` (naming the ranks that did not finish and
-the collective each was last in). Every child process is reaped in all cases.
+without reporting (its exit code or signal, and the training step it had begun: :func:`began_step`), and a run
+that outlives ``timeout`` (naming the ranks that did not finish and the collective each was last in). Every child
+process is reaped in all cases.
 """
 
 from __future__ import annotations
@@ -78,13 +79,15 @@ class RunResult(list):
 
 class _RankStatus(ctypes.Structure):
     """Where one rank is, in memory shared with the launcher: what it last did (in words), the group and number of
-    its current collective, and since when it has been blocked in it (``time.monotonic()``; 0 when not blocked)."""
+    its current collective, since when it has been blocked in it (``time.monotonic()``; 0 when not blocked), and
+    the training step it began last (-1 before the first; :func:`began_step`)."""
 
     _fields_ = [
         ("text", ctypes.c_char * STATUS_TEXT_BYTES),
         ("group", ctypes.c_char * 32),
         ("number", ctypes.c_long),
         ("blocked_since", ctypes.c_double),
+        ("step", ctypes.c_long),
     ]
 
 
@@ -107,12 +110,20 @@ class _RankState:
 
 _DEVICE = torch.device("cpu")
 _IN_RANK = False
+_STATUS: _RankStatus | None = None  # this local rank's entry in the launcher's status array
 _PAYLOAD_LOCK = threading.Lock()
 
 
 def rank_device() -> torch.device:
     """The device this rank computes on (``cuda:<local rank>`` under NCCL, else CPU)."""
     return _DEVICE
+
+
+def began_step(step: int) -> None:
+    """Tell the launcher that this rank begins training step ``step``, so that a rank that dies or hangs is reported
+    with the step it was in (a no-op outside a local rank)."""
+    if _STATUS is not None:
+        _STATUS.step = step
 
 
 def sync(device: torch.device) -> None:
@@ -342,6 +353,8 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
     handle, store_path = tempfile.mkstemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")
     os.close(handle)
     status = ctx.Array(_RankStatus, world_size, lock=False)
+    for entry in status:
+        entry.step = -1
     threads = max(1, _cores() // world_size)
     epoch = time.perf_counter()
     ranks: list[_RankState] = []
@@ -437,6 +450,12 @@ def _status_of(status, rank: int) -> str:
     return status[rank].text.decode(errors="replace") or "no collective yet"
 
 
+def _last(status, rank: int) -> str:
+    """`` during step k (last: what it did)``: the step the rank began last, if it trains, and its last collective."""
+    step = status[rank].step
+    return f"{f' during step {step}' if step >= 0 else ''} (last: {_status_of(status, rank)})"
+
+
 def _is_comm_error(state: _RankState) -> bool:
     return bool(state.error) and any(m in state.error[1] for m in _COMM_ERROR_MARKERS)
 
@@ -455,7 +474,7 @@ def _failure(ranks: list[_RankState], status) -> RankError:
         head = f"rank {root} of {n} raised {type_name}: {message}\n\n--- traceback of rank {root} ---\n{tb}"
     else:
         pickled = None
-        head = f"rank {root} of {n} {state.exit_note} (last: {_status_of(status, root)})"
+        head = f"rank {root} of {n} {state.exit_note}{_last(status, root)}"
     others = []
     for r, s in enumerate(ranks):
         if r == root:
@@ -468,7 +487,7 @@ def _failure(ranks: list[_RankState], status) -> RankError:
             what = s.exit_note
         else:
             what = "stopped by the launcher"
-        others.append(f"rank {r}: {what} (last: {_status_of(status, r)})")
+        others.append(f"rank {r}: {what}{_last(status, r)}")
     error = RankError(head + ("\nother ranks:\n  " + "\n  ".join(others) if others else ""))
     if pickled is not None:
         with contextlib.suppress(Exception):
@@ -508,11 +527,11 @@ def _rank_lines(ranks: list[_RankState], pending: set[int], status, laggards: di
         if r not in pending:
             lines.append(f"  rank {r}: finished")
         elif r in laggards:
-            lines.append(f"  rank {r}: {laggards[r]} (last: {_status_of(status, r)})")
+            lines.append(f"  rank {r}: {laggards[r]}{_last(status, r)}")
         elif since:
             lines.append(f"  rank {r}: waiting {now - since:.1f} s, {_status_of(status, r)}")
         else:
-            lines.append(f"  rank {r}: running (last: {_status_of(status, r)})")
+            lines.append(f"  rank {r}: running{_last(status, r)}")
     return lines
 
 
@@ -625,13 +644,13 @@ def _die_with_parent() -> None:
 def _rank_main(
     rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops
 ) -> None:
-    global _DEVICE, _IN_RANK
+    global _DEVICE, _IN_RANK, _STATUS
     _die_with_parent()
     _IN_RANK = True
     lock = threading.Lock()
     sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
     torch.set_num_threads(threads)
-    mine = status[rank]
+    mine = _STATUS = status[rank]
 
     def tell(text: str, group: str, number: int, blocked: bool) -> None:
         mine.blocked_since = 0.0

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from course_lib import comm, launch
+from course_lib.faults import Fault, injected
 from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.models import (
     GPTConfig,
@@ -120,6 +121,7 @@ def run_scheme(
     stall_timeout: float = 20.0,
     max_ranks: int | None = None,
     in_process: bool = False,
+    fault: Fault | None = None,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
@@ -128,13 +130,20 @@ def run_scheme(
     ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
     one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing.
     ``model``, for the schemes that take one (a setting of their rank function), is a factory of the student's own
-    module (:func:`course_lib.models.build_model`), trained in place of the tiny GPT and by the reference."""
+    module (:func:`course_lib.models.build_model`), trained in place of the tiny GPT and by the reference.
+    ``fault`` (:class:`course_lib.faults.Fault`) makes one rank fail at a step on purpose, in every scheme alike;
+    the run then ends in a :class:`course_lib.launch.RankError` naming the rank and the step."""
     spec = validate(scheme, world_size, cfg, train, options)
     settings = spec.settings(options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
     rank_fn = functools.partial(_patched, spec.train, patch) if patch else spec.train
+    if fault is not None:
+        if in_process:
+            raise ValueError("a fault is injected into launched ranks, not into this process; drop in_process")
+        fault.check(world_size, train.steps)
+        rank_fn = injected(rank_fn, fault)
     if in_process:
         if world_size != 1:
             raise ValueError(f"in_process runs one rank, not {world_size}; use the launcher for more")

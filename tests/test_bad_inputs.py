@@ -89,6 +89,16 @@ BAD = (
         (["run", "dp", "--plot", "/proc/version"], "is a file; --plot takes a folder"),
         (["run", "dp", "--plot", "/proc/nope/figs"], "cannot create the folder"),
         (["run", "dp", "--bogus"], "unrecognized arguments: --bogus"),
+        # run: failure injection (a fault that could never fire)
+        (["run", "dp", "--kill-rank", "-1", "--at-step", "0"], "--kill-rank: must be a whole number of at least 0"),
+        (["run", "dp", "--kill-rank", "0", "--at-step", "-2"], "--at-step: must be a whole number of at least 0"),
+        (["run", "dp", "--world-size", "2", "--kill-rank", "2", "--at-step", "0"], "cannot fail rank 2: the run's"),
+        (["run", "single", "--kill-rank", "1", "--at-step", "0"], "cannot fail rank 1: the run's ranks are 0 to 0"),
+        (["run", "dp", "--kill-rank", "0", "--at-step", "3"], "cannot fail at step 3: the run's steps are 0 to 2"),
+        (["run", "dp", "--kill-rank", "0"], "a fault needs both --kill-rank R and --at-step K (given: --kill-rank)"),
+        (["run", "dp", "--fault", "hang"], "a fault needs both --kill-rank R and --at-step K (given: neither)"),
+        (["run", "dp", "--kill-rank", "0", "--at-step", "0", "--fault", "segv"], "invalid choice: 'segv'"),
+        (["run", "dp", "--kill-rank", "0", "--at-step", "0", "--fault-phase", "loss"], "invalid choice: 'loss'"),
         # demo
         (["demo", "--world-size", "0"], "must be a whole number of at least 1"),
         (["demo", "--world-size", "3"], "demo: dp on 3 ranks"),

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, launch, trace
+from course_lib import comm, faults, launch, trace
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import MemoryMeter, adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import (
@@ -305,7 +305,9 @@ def train_loop(
     ``param_sync`` phase) with the strategy's ``zero_grad``. ``measure_memory`` runs the
     last step (the one reported) under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles a CPU
     step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all ranks),
-    this rank taking share ``data_rank``.
+    this rank taking share ``data_rank``. Each step tells the launcher it began (:func:`launch.began_step`) and
+    passes the points where an injected fault may fire (:func:`course_lib.faults.reach`: forward, grad_sync,
+    optimizer).
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
@@ -316,10 +318,14 @@ def train_loop(
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
         metered = measure_memory and step == train.steps - 1  # the reported step
         meter = MemoryMeter(strategy.model, optimizer, device=device) if metered else None
+        launch.began_step(step)
         with trace.tags(step=step), meter or contextlib.nullcontext():
+            faults.reach(step, "forward")
             losses.append(run_batch(tokens, targets))
+            faults.reach(step, "grad_sync")
             with trace.tags(phase="grad_sync"):
                 strategy.finish_gradients()
+            faults.reach(step, "optimizer")
             with trace.span("optimizer"):
                 optimizer.step()
                 strategy.zero_grad()

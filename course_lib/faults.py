@@ -1,0 +1,110 @@
+"""Failure injection on real ranks: a fault plan makes one rank fail at a chosen step, in a chosen way.
+
+A :class:`Fault` names the rank (global), the step (from 0, as ``trace.tags(step=...)``), the kind and the point in
+the step where it fires:
+
+* ``raise``: an :class:`InjectedFault` (``injected fault: rank 1 at step 2 (forward)``), as a bug in the code would;
+* ``exit``: ``os._exit(EXIT_CODE)``, a process that ends without a word (an OOM killer's victim, a failed assert in C);
+* ``kill``: SIGKILL to itself, a lost node or GPU;
+* ``hang``: sleep forever, a stuck kernel or a dead link; the launcher's stall detector or timeout must end it.
+
+Phases: ``forward`` (the start of the step, before its forward), ``grad_sync`` (after backward, before the
+strategy finishes the gradients; a scheme that overlaps its gradient collectives with backward has issued them
+already) and ``optimizer`` (before the optimizer step). Every scheme trains through
+:func:`course_lib.parallel.data.train_loop`, which calls :func:`reach` at those points, so no scheme knows about
+faults. The plan reaches the ranks with the rank function: :func:`injected` wraps it so that each rank sets the
+active plan in its own process before training (``run_scheme(..., fault=Fault(1, 2, "kill"))``, ``run dp
+--kill-rank 1 --at-step 2``); the launcher then reports the failure like any other
+(:class:`course_lib.launch.RankError`, naming the rank and the step it had begun).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+KINDS = ("raise", "exit", "kill", "hang")
+PHASES = ("forward", "grad_sync", "optimizer")
+EXIT_CODE = 3  # what an ``exit`` fault's rank exits with
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault throws inside its rank."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Rank ``rank`` fails at step ``step`` (from 0), at ``phase`` of that step, by ``kind``."""
+
+    rank: int
+    step: int
+    kind: str = "kill"
+    phase: str = "forward"
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"a fault's {name} must be a whole number of at least 0, not {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; choose one of {KINDS}")
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown fault phase {self.phase!r}; choose one of {PHASES}")
+
+    def check(self, world_size: int, steps: int) -> None:
+        """Refuse a fault that could never fire in a run of ``world_size`` ranks and ``steps`` steps."""
+        if self.rank >= world_size:
+            raise ValueError(f"cannot fail rank {self.rank}: the run's ranks are 0 to {world_size - 1}")
+        if self.step >= steps:
+            raise ValueError(f"cannot fail at step {self.step}: the run's steps are 0 to {steps - 1}")
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} at step {self.step} ({self.phase})"
+
+
+_ACTIVE: Fault | None = None  # the plan of this rank's process, set by run_with
+
+
+def run_with(fault: Fault, fn: Callable, *args, **kwargs):
+    """In this rank's process, make ``fault`` the active plan while ``fn`` runs."""
+    global _ACTIVE
+    _ACTIVE = fault
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _ACTIVE = None
+
+
+def injected(fn: Callable, fault: Fault) -> Callable:
+    """``fn`` (a rank function) with ``fault`` active in every rank that runs it; pass it to ``launch.run``."""
+    return functools.partial(run_with, fault, fn)
+
+
+def _hang(fault: Fault) -> None:
+    while True:
+        time.sleep(3600)
+
+
+def _raise(fault: Fault) -> None:
+    raise InjectedFault(f"injected fault: {fault}")
+
+
+_FIRE: dict[str, Callable[[Fault], None]] = {
+    "raise": _raise,
+    "exit": lambda fault: os._exit(EXIT_CODE),
+    "kill": lambda fault: os.kill(os.getpid(), signal.SIGKILL),
+    "hang": _hang,
+}
+
+
+def reach(step: int, phase: str) -> None:
+    """The training loop is at ``phase`` of ``step``: fire the active fault if it is this rank's, here and now."""
+    fault = _ACTIVE
+    if fault is not None and (fault.step, fault.phase) == (step, phase) and dist.get_rank() == fault.rank:
+        _FIRE[fault.kind](fault)

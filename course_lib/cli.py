@@ -345,6 +345,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             in_process=world_size == 1 and not launch.under_torchrun() and fault is None,
             fault=fault,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
             **_limits(args),
             **options,
         )
@@ -365,6 +368,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"parameters ({shape}, "
         f"{cfg.seq} tokens, batch {train.batch}), {args.dtype}",
     )
+    if "resumed_from" in report:
+        r = report["resumed_from"]
+        _say(args, f"  resumed from {r['path']} ({r['scheme']} on {r['world_size']}) at step {report['first_step']}")
+    if "checkpoints" in report:
+        c = report["checkpoints"]
+        _say(args, f"  checkpoints every {c['every']} steps in {c['directory']}")
     _say(args, f"  losses           {[round(x, 6) for x in report['losses']]}")
     _say(args, f"  reference losses {[round(x, 6) for x in report['reference_losses']]}")
     _say(
@@ -730,6 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
     broken.add_argument("--at-step", type=_natural, metavar="K", help="the step it fails in, from 0")
     broken.add_argument("--fault", choices=KINDS, help="how it fails (default kill: SIGKILL)")
     broken.add_argument("--fault-phase", choices=PHASES, help="where in the step (default forward: its start)")
+    saving = run.add_argument_group("checkpoints (dp, zero1-3, single; any of them resumes any other's)")
+    saving.add_argument("--checkpoint-dir", metavar="D", help="save the training state as D/step-<n>")
+    saving.add_argument("--checkpoint-every", type=_positive_int, metavar="K", help="after every K-th step")
+    saving.add_argument(
+        "--resume", metavar="D", help="load a checkpoint (D/step-<n>, or the newest in D) and train the steps left"
+    )
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")

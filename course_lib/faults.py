@@ -8,19 +8,19 @@ the step where it fires:
 * ``kill``: SIGKILL to itself, a lost node or GPU;
 * ``hang``: sleep forever, a stuck kernel or a dead link; the launcher's stall detector or timeout must end it.
 
-Phases: ``forward`` (the start of the step, before its forward), ``grad_sync`` (after backward, before the
-strategy finishes the gradients; a scheme that overlaps its gradient collectives with backward has issued them
-already) and ``optimizer`` (before the optimizer step). Every scheme trains through
-:func:`course_lib.parallel.data.train_loop`, which calls :func:`reach` at those points, so no scheme knows about
-faults. The plan reaches the ranks with the rank function: :func:`injected` wraps it so that each rank sets the
-active plan in its own process before training (``run_scheme(..., fault=Fault(1, 2, "kill"))``, ``run dp
---kill-rank 1 --at-step 2``); the launcher then reports the failure like any other
-(:class:`course_lib.launch.RankError`, naming the rank and the step it had begun).
+Phases: ``forward`` (the start of the step, before its forward), ``grad_sync`` (after backward, before the strategy
+finishes the gradients; a scheme that overlaps its gradient collectives with backward has issued them already),
+``optimizer`` (before the optimizer step) and ``checkpoint`` (in a step that saves a checkpoint, after every rank wrote
+its shards and before the folder is renamed into place: :func:`course_lib.checkpoint.save`). Every scheme trains through
+:func:`course_lib.parallel.data.train_loop`, which calls :func:`reach` at those points, so no scheme knows about faults.
+The plan reaches the ranks with the rank function: :func:`injected` wraps it so that each rank sets the active plan in
+its own process before training (``run_scheme(..., fault=Fault(1, 2, "kill"))``, ``run dp --kill-rank 1 --at-step 2``);
+the launcher then reports the failure like any other (:class:`course_lib.launch.RankError`, naming the rank and the step
+it had begun).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from course_lib import launch
+
 KINDS = ("raise", "exit", "kill", "hang")
-PHASES = ("forward", "grad_sync", "optimizer")
+PHASES = ("forward", "grad_sync", "optimizer", "checkpoint")
 EXIT_CODE = 3  # what an ``exit`` fault's rank exits with
 
 
@@ -68,22 +70,12 @@ class Fault:
         return f"rank {self.rank} at step {self.step} ({self.phase})"
 
 
-_ACTIVE: Fault | None = None  # the plan of this rank's process, set by run_with
-
-
-def run_with(fault: Fault, fn: Callable, *args, **kwargs):
-    """In this rank's process, make ``fault`` the active plan while ``fn`` runs."""
-    global _ACTIVE
-    _ACTIVE = fault
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _ACTIVE = None
+_ACTIVE: Fault | None = None  # the plan of this rank's process, set by injected
 
 
 def injected(fn: Callable, fault: Fault) -> Callable:
     """``fn`` (a rank function) with ``fault`` active in every rank that runs it; pass it to ``launch.run``."""
-    return functools.partial(run_with, fault, fn)
+    return launch.with_setting(fn, __name__, "_ACTIVE", fault)
 
 
 def _hang(fault: Fault) -> None:

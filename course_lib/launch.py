@@ -26,6 +26,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
+import importlib
 import io
 import math
 import multiprocessing as mp
@@ -124,6 +126,23 @@ def began_step(step: int) -> None:
     with the step it was in (a no-op outside a local rank)."""
     if _STATUS is not None:
         _STATUS.step = step
+
+
+def with_setting(fn: Callable, module: str, name: str, value: object) -> Callable:
+    """``fn`` (a rank function) that runs with ``module.name`` set to ``value`` in its rank's process, put back
+    afterwards (an in-process run leaves the caller's as it was): how a fault plan or a checkpoint plan travels with
+    the rank function to every rank. Pass the result to :func:`run` or :func:`run_here`."""
+    return functools.partial(_run_with_setting, module, name, value, fn)
+
+
+def _run_with_setting(module: str, name: str, value: object, fn: Callable, *args, **kwargs):
+    owner = importlib.import_module(module)
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        setattr(owner, name, before)
 
 
 def sync(device: torch.device) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from course_lib import comm, launch
+from course_lib import checkpoint, comm, launch
 from course_lib.faults import Fault, injected
 from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.models import (
@@ -122,6 +122,9 @@ def run_scheme(
     max_ranks: int | None = None,
     in_process: bool = False,
     fault: Fault | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: str | None = None,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
@@ -132,17 +135,46 @@ def run_scheme(
     ``model``, for the schemes that take one (a setting of their rank function), is a factory of the student's own
     module (:func:`course_lib.models.build_model`), trained in place of the tiny GPT and by the reference.
     ``fault`` (:class:`course_lib.faults.Fault`) makes one rank fail at a step on purpose, in every scheme alike;
-    the run then ends in a :class:`course_lib.launch.RankError` naming the rank and the step."""
+    the run then ends in a :class:`course_lib.launch.RankError` naming the rank and the step.
+
+    ``checkpoint_dir`` and ``checkpoint_every`` K save the training state as ``checkpoint_dir/step-<n>`` after every
+    K-th step; ``resume`` (a checkpoint folder, or a folder of them: the newest) loads one before the first step,
+    saved by any checkpointing scheme on any number of ranks (:mod:`course_lib.checkpoint`), and trains the steps
+    left. The report's ``losses`` and ``reference_losses`` are then those of the steps that ran, from
+    ``first_step``; the parameters are compared at the end, as always."""
     spec = validate(scheme, world_size, cfg, train, options)
     settings = spec.settings(options)
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
     rank_fn = functools.partial(_patched, spec.train, patch) if patch else spec.train
+    plan = checkpoint.plan_for(
+        spec.name,
+        spec.checkpoint,
+        world_size,
+        cfg,
+        train,
+        options.get("model"),
+        checkpoint_dir,
+        checkpoint_every,
+        resume,
+    )
+    start = plan.start if plan is not None else 0
+    if plan is not None:
+        rank_fn = checkpoint.planned(rank_fn, plan)
     if fault is not None:
         if in_process:
             raise ValueError("a fault is injected into launched ranks, not into this process; drop in_process")
         fault.check(world_size, train.steps)
+        if fault.step < start:
+            raise ValueError(
+                f"cannot fail at step {fault.step}: the resumed run trains steps {start} to {train.steps - 1}"
+            )
+        if fault.phase == "checkpoint" and (plan is None or not plan.due(fault.step)):
+            raise ValueError(
+                f"a fault in the checkpoint phase fires in a step that saves one, and step {fault.step} does not: "
+                f"pass checkpoint_every=K with (step + 1) divisible by K"
+            )
         rank_fn = injected(rank_fn, fault)
     if in_process:
         if world_size != 1:
@@ -193,14 +225,20 @@ def run_scheme(
         "options": {k: f"{v.__module__}.{v.__qualname__}" if callable(v) else v for k, v in options.items()},
         "params": count_params(build_model(cfg, train, options.get("model"))),
         "steps": train.steps,
+        "first_step": start,
         "losses": losses,
-        "reference_losses": list(reference.losses),
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)),
+        "reference_losses": list(reference.losses[start:]),
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, reference.losses[start:], strict=True)),
         "max_abs_param_diff": max_param_diff(params, reference.params),
         "rel_param_diff": rel_param_diff(params, reference.params),
         "ranks": ranks,
         "wall_s": result.wall_s,
     }
+    if plan is not None and plan.resume is not None:
+        saved = checkpoint.read_meta(plan.resume)
+        report["resumed_from"] = {"path": plan.resume, "scheme": saved["scheme"], "world_size": saved["world_size"]}
+    if plan is not None and plan.directory is not None:
+        report["checkpoints"] = {"directory": plan.directory, "every": plan.every}
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
     if spec.describe is not None:

@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from course_lib import launch, schemes
+
 
 def process_alive(pid: int) -> bool:
     """True if ``pid`` is a live (not zombie) process."""
@@ -30,3 +32,14 @@ def read_pids(folder) -> list[int]:
 
 def write_pid(folder, rank: int) -> None:
     (folder / f"{rank}.pid").write_text(str(os.getpid()))
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch):
+    """Any rank (or reference) started fails the test: the refusal must come before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank (or the reference) started for a command line that should have been refused")
+
+    monkeypatch.setattr(launch, "_run_local", refuse)
+    monkeypatch.setattr(schemes, "train_reference", refuse)

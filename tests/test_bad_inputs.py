@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from course_lib import cli, launch, schemes
+from course_lib import cli
 
 RUN_NUMBERS = ["--world-size", "--layers", "--hidden", "--heads", "--seq", "--steps", "--batch", "--grad-accum"]
 RUN_NUMBERS += ["--microbatches", "--chunks", "--gpus-per-node", "--tp", "--pp", "--dp", "--max-ranks"]
@@ -179,15 +179,6 @@ BAD = (
         (["train"], "invalid choice: 'train'"),
     ]
 )
-
-
-@pytest.fixture
-def nothing_may_start(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rank (or the reference) started for a command line that should have been refused")
-
-    monkeypatch.setattr(launch, "_run_local", refuse)
-    monkeypatch.setattr(schemes, "train_reference", refuse)
 
 
 def test_the_table_is_large_and_covers_every_command():

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, faults, launch, trace
+from course_lib import checkpoint, comm, faults, launch, trace
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import MemoryMeter, adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import (
@@ -308,13 +308,20 @@ def train_loop(
     this rank taking share ``data_rank``. Each step tells the launcher it began (:func:`launch.began_step`) and
     passes the points where an injected fault may fire (:func:`course_lib.faults.reach`: forward, grad_sync,
     optimizer).
+
+    Checkpoints (:mod:`course_lib.checkpoint`), when the run has a plan (``run_scheme(checkpoint_dir=,
+    checkpoint_every=, resume=)``): a resume loads the model's and optimizer's state before the first step and
+    trains ``range(start, steps)``, ``start`` being the checkpoint's step (the data is a function of the step, so
+    that is the data position); after step k's optimizer step the state is saved if the plan says so ((k+1) % K
+    == 0), outside the step's tags and memory meter. ``losses`` are those of the steps that ran.
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
     run_batch = run_batch or functools.partial(accumulate, strategy, grad_accum)
     device, optimizer = launch.rank_device(), strategy.optimizer
-    losses = []
-    for step in range(train.steps):
+    losses, plan = [], checkpoint.active()
+    start = checkpoint.load(plan.resume, strategy.model, optimizer) if plan and plan.resume else 0
+    for step in range(start, train.steps):
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
         metered = measure_memory and step == train.steps - 1  # the reported step
         meter = MemoryMeter(strategy.model, optimizer, device=device) if metered else None
@@ -330,6 +337,8 @@ def train_loop(
                 optimizer.step()
                 strategy.zero_grad()
             launch.sync(device)
+        if plan is not None and plan.due(step):
+            checkpoint.save(plan, step + 1, strategy.model, optimizer)
     return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
 
 
@@ -442,6 +451,7 @@ SCHEMES = (
         (MODEL,),
         axes=(),
         moe=True,
+        checkpoint=True,
     ),
     Scheme(
         "dp",
@@ -451,5 +461,6 @@ SCHEMES = (
         predict_memory,
         predict_comm,
         (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM, MODEL),
+        checkpoint=True,
     ),
 )

@@ -314,6 +314,11 @@ class FullyShardedDataParallel(nn.Module):
             unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad.add_(grad)
         self._in_flight = []
 
+    def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
+        """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.checkpoint` saves, layout-free,
+        as pieces of each parameter (and of its optimizer state, keyed by the shard)."""
+        return [(unit.flat, unit.shard) for unit in self.units]
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the module whole, by its name there, in the shards' dtype, on the CPU (every rank of
         the group must call it: it all-gathers each unit's shards)."""
@@ -410,5 +415,6 @@ SCHEMES = (
         predict_memory,
         predict_comm,
         (OVERLAP, GRAD_ACCUM, RESHARD, MODEL),
+        checkpoint=True,
     ),
 )

@@ -58,7 +58,9 @@ class Scheme:
     the command line and the demo give the scheme's model unless the user gives them (``ep``: 8 experts, top-2).
     ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
     the ranks' reports and the settings: ``routed_comm(results, cfg, train, o)`` gives each rank's bytes by
-    collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key.
+    collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key. ``checkpoint`` says
+    whether the scheme's state is one :mod:`course_lib.checkpoint` can save and resume (whole parameters with AdamW,
+    or their slices in ZeRO's and FSDP's flat buffers); the harness refuses checkpoint settings for the others.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Scheme:
     moe: bool = False
     model_settings: dict = field(default_factory=dict)
     routed_comm: Callable[[list[dict], GPTConfig, TrainConfig, dict], list[dict]] | None = None
+    checkpoint: bool = False
 
     def settings(self, options: dict) -> dict:
         """Every keyword of the rank function: ``options`` over its defaults. Refuses an option the scheme does not

@@ -278,6 +278,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self.optim.zero_grad(set_to_none)
 
+    def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
+        """Each flat buffer's layout with this rank's slice of it, which keys its state in ``.optim``: what
+        :mod:`course_lib.checkpoint` saves, layout-free, as pieces of each parameter's optimizer state."""
+        return list(zip(self.buckets, self._slices, strict=True))
+
     def state_dict(self) -> dict:
         """This rank's slice of the optimizer state (``.optim``'s state dict) and the hyperparameters."""
         return self.optim.state_dict()
@@ -371,7 +376,9 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 def _scheme(stage: int, summary: str) -> Scheme:
     train = functools.partial(train_zero, stage=stage)
     options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM, MODEL)
-    return Scheme(f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options)
+    return Scheme(
+        f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options, checkpoint=True
+    )
 
 
 SCHEMES = (

@@ -1,0 +1,410 @@
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): save a rank's training state, resume it
+exactly, on the same layout or another.
+
+**What is saved.** Each trainable parameter and its AdamW state (``exp_avg``, ``exp_avg_sq``: parameter-shaped;
+``step``: a scalar) under the parameter's fully qualified name in the unwrapped module (``model.blocks.0.mlp.fc1.
+weight``, ``optim.blocks.0.mlp.fc1.weight.exp_avg``), each flattened to one dimension. A rank offers what it holds:
+the whole tensor (DP's replicas; ZeRO-1/2's parameters) or the pieces of it that fall in its slice of a flat buffer
+(ZeRO-1/2's optimizer state, ZeRO-3's parameters and state: :class:`course_lib.parallel.zero.FlatShard`), each with
+its offset in the flattened parameter (:class:`FlatPieces`). DCP writes every piece once (replicas are deduplicated
+by its planner) and records in its ``.metadata`` which chunk of which tensor is where; at load, each rank asks for
+the pieces its own layout needs and DCP reads the overlapping chunks ("DCP reshards at load time": PyTorch's DCP
+docs, "Distributed Checkpoint - torch.distributed.checkpoint"). The checkpoint therefore knows nothing of buckets,
+units, padding or world size: ZeRO-3 on 4 ranks loads into ZeRO-3 on 2, ZeRO-2 or DP on 1. Why not DTensor: a
+flat-buffer slice is an arbitrary 1-D range of a parameter, not one of DTensor's even ``Shard`` placements;
+ShardedTensor could say it but is deprecated and needs a collective per tensor. So :class:`FlatPieces` implements
+DCP's ``_Checkpointable`` protocol (``__create_write_items__``, ``__create_chunk_list__``, as DTensor does) and the
+planners' documented extension points (``lookup_object``, ``lookup_tensor``) return its pieces.
+
+Frozen parameters are not saved (the model's constructor rebuilds them from the seed), nor is any RNG state of the
+tiny GPT's training: it has no dropout, and its data is a pure function of the step
+(:func:`course_lib.models.synthetic_tokens` seeds its own generator), so the **data position is the step**, counted
+in global batches; a new layout splits the same global batch its own way, which is what makes resharding the data
+position trivial here (torchtitan must refuse a data-loader state saved at another DP degree). Each rank's torch RNG
+state is saved anyway (``rng.rank<r>``) and restored when the world size is the same, for a student's model with
+dropout.
+
+**Atomic.** A checkpoint of the state after n steps is the folder ``step-<n>``: written into ``.step-<n>.partial``
+beside it, then ``meta.json`` (rank 0), then renamed. A crash before the rename leaves the previous checkpoints as
+they were and a ``.partial`` folder that nothing reads (the next save of that step clears it). The Llama 3 report
+(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be.
+
+**The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
+before its first step and :func:`save` after each optimizer step that :meth:`Plan.due` names, reading the
+:class:`Plan` that :func:`planned` makes active in the rank's process (as :mod:`course_lib.faults` passes a fault),
+so no scheme carries checkpoint code. The harness builds the plan with :func:`plan_for`, which refuses a bad resume
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import faults, launch
+
+FORMAT = "course_lib.checkpoint/1"
+META = "meta.json"
+STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's parameter-shaped state; "step" is its scalar
+TRAIN_FIELDS = ("batch", "lr", "weight_decay", "adam_eps", "seed", "dtype")  # all of TrainConfig that the path needs
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a rank does about checkpoints: save into ``directory`` after every ``every``-th step (both or neither),
+    resume from the checkpoint folder ``resume`` (a ``step-<n>`` folder), and record ``meta`` (the scheme, world
+    size, model and training settings) in each checkpoint."""
+
+    meta: dict
+    directory: str | None = None
+    every: int | None = None
+    resume: str | None = None
+    start: int = 0  # the first step to run: the resumed checkpoint's step
+
+    def due(self, step: int) -> bool:
+        """Save after step ``step`` (from 0)? After every ``every``-th optimizer step: (step + 1) % every == 0."""
+        return self.every is not None and (step + 1) % self.every == 0
+
+
+_ACTIVE: Plan | None = None  # the plan of this rank's process, set by planned
+
+
+def active() -> Plan | None:
+    """This rank's checkpoint plan, if the run has one."""
+    return _ACTIVE
+
+
+def planned(fn: Callable, plan: Plan) -> Callable:
+    """``fn`` (a rank function) with ``plan`` active in every rank that runs it; pass it to ``launch.run``."""
+    return launch.with_setting(fn, __name__, "_ACTIVE", plan)
+
+
+# ------------------------------------------------------------------------------------------------ the state
+class FlatPieces:
+    """This rank's pieces of one tensor flattened to ``numel`` elements: ``{offset: 1-D view}``. A DCP
+    ``_Checkpointable``: each piece is a chunk of the global 1-D tensor at its offset."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel, self.pieces = numel, {}
+
+    def size(self) -> torch.Size:
+        return torch.Size([self.numel])
+
+    def __create_write_items__(self, fqn: str, _obj: object) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size([offset]), torch.Size([piece.numel()])),
+                    properties=TensorProperties.create_from_tensor(piece),
+                    size=self.size(),
+                ),
+            )
+            for offset, piece in self.pieces.items()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(torch.Size([o]), torch.Size([p.numel()])) for o, p in self.pieces.items()]
+
+    def piece(self, index: Any) -> torch.Tensor:
+        """The piece at ``index.offset`` (a DCP ``MetadataIndex``)."""
+        return self.pieces[index.offset[0]]
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """The student's or the tiny GPT's module inside the course's wrappers (``DataParallel``, FSDP), whose names
+    the checkpoint uses; the model itself otherwise."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(model, "finish_gradient_synchronization") else model
+
+
+def _slices(flat: Any, local: torch.Tensor) -> Iterator[tuple[nn.Parameter, int, torch.Tensor]]:
+    """For each parameter of a flat buffer's layout (a ``FlatShard``) that meets this rank's slice ``local``: the
+    parameter, the offset of the meeting part in the flattened parameter, and that part of ``local``."""
+    start = 0
+    for p in flat.params:
+        lo, hi = max(flat.lo, start), min(flat.hi, start + p.numel())
+        if lo < hi:
+            yield p, lo - start, local.detach().view(-1)[lo - flat.lo : hi - flat.lo]
+        start += p.numel()
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, step_dtype: torch.dtype | None) -> dict:
+    """AdamW's state of ``tensor``; created as AdamW's first step would (zeros, step 0) when ``step_dtype`` is given
+    and there is none yet, so that a fresh optimizer can be loaded into."""
+    state = optimizer.state[tensor]
+    if not state and step_dtype is not None:
+        state |= {"step": torch.zeros((), dtype=step_dtype)} | {k: torch.zeros_like(tensor) for k in STATE_KEYS}
+    if set(state) != {"step", *STATE_KEYS}:
+        raise RuntimeError(
+            f"a checkpoint holds AdamW's state (step, exp_avg, exp_avg_sq), and this optimizer's state has "
+            f"{sorted(state)}: use AdamW without amsgrad, or step it once before saving"
+        )
+    return state
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, step_dtype: torch.dtype | None = None):
+    """The state dict DCP saves or loads for ``model`` and its ``optimizer``: ``{key: FlatPieces}`` of the
+    parameter-shaped tensors, and ``{key: (state dict, ...)}`` of the AdamW step counters (one scalar per
+    parameter; a ZeRO slice's counter serves every parameter it meets). Pass ``step_dtype`` to load: missing AdamW
+    state is then created.
+
+    The layout is read from the course's wrappers: a model with ``local_shards()`` (FSDP) holds slices of its
+    parameters, an optimizer with ``local_shards()`` (ZeRO-1/2) slices of their state in its inner ``.optim``;
+    otherwise the tensors are whole."""
+    names = {id(p): name for name, p in _wrapped(model).named_parameters() if p.requires_grad}
+    tensors: dict[str, FlatPieces] = {}
+    steps: dict[str, list[dict]] = {}
+
+    def offer(key: str, p: nn.Parameter, offset: int, piece: torch.Tensor) -> None:
+        tensors.setdefault(key, FlatPieces(p.numel())).pieces[offset] = piece
+
+    model_shards = model.local_shards() if hasattr(model, "local_shards") else None
+    if model_shards is None:
+        for p in _wrapped(model).parameters():
+            if p.requires_grad:
+                offer(f"model.{names[id(p)]}", p, 0, p.detach().view(-1))
+    else:
+        for flat, local in model_shards:
+            for p, offset, piece in _slices(flat, local):
+                offer(f"model.{names[id(p)]}", p, offset, piece)
+    opt_shards = optimizer.local_shards() if hasattr(optimizer, "local_shards") else model_shards
+    inner = getattr(optimizer, "optim", optimizer)
+    if opt_shards is None:
+        pieces = [(p, 0, p, p.detach().view(-1)) for p in _wrapped(model).parameters() if p.requires_grad]
+    else:
+        pieces = [(p, offset, local, piece) for flat, local in opt_shards for p, offset, piece in _slices(flat, local)]
+    for p, offset, holder, piece in pieces:
+        state = _adam_state(inner, holder, step_dtype)
+        start = (piece.data_ptr() - holder.data_ptr()) // holder.element_size()  # where the piece is in holder
+        for k in STATE_KEYS:
+            offer(f"optim.{names[id(p)]}.{k}", p, offset, state[k].view(-1)[start : start + piece.numel()])
+        steps.setdefault(f"optim.{names[id(p)]}.step", []).append(state)
+    return tensors, steps
+
+
+def _planners():
+    """DCP's default planners, looking up :class:`FlatPieces` through their documented extension points."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    class SavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            obj = self.state_dict[index.fqn]
+            # a copy: torch.save of a view would write its whole buffer
+            return obj.piece(index).clone() if isinstance(obj, FlatPieces) else super().lookup_object(index)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+            # DefaultLoadPlanner's set-up (_init_state_dict, torch 2.13) turns values that are not tensors into None;
+            # ours hold no meta tensors to initialize, so put them back.
+            pieces = {k: v for k, v in state_dict.items() if isinstance(v, FlatPieces)}
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            state_dict.update(pieces)
+            self.state_dict.update(pieces)
+
+        def lookup_tensor(self, index):
+            obj = self.state_dict[index.fqn]
+            return obj.piece(index) if isinstance(obj, FlatPieces) else super().lookup_tensor(index)
+
+    return SavePlanner(), LoadPlanner()
+
+
+# ------------------------------------------------------------------------------------------------ save, load
+def save(plan: Plan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """Every rank: write the state after ``step`` optimizer steps as ``plan.directory/step-<step>``, atomically
+    (module docstring). An injected fault of phase ``checkpoint`` fires after the shards are written and before the
+    rename (:func:`course_lib.faults.reach`)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(plan.directory)
+    target, partial = root / f"step-{step}", root / f".step-{step}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # what a crashed save of this step left
+    dist.barrier()
+    tensors, steps = training_state(model, optimizer)
+    state: dict[str, Any] = {**tensors, **{key: states[0]["step"] for key, states in steps.items()}}
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_planners()[0])
+    faults.reach(step - 1, "checkpoint")
+    if rank == 0:
+        meta = {"format": FORMAT, **plan.meta, "step": step}
+        with open(partial / META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if target.exists():  # the same step saved by an earlier run: set it aside, then drop it
+            aside = root / f".step-{step}.old"
+            shutil.rmtree(aside, ignore_errors=True)
+            target.rename(aside)
+            partial.rename(target)
+            shutil.rmtree(aside)
+        else:
+            partial.rename(target)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself is on disk
+        finally:
+            os.close(fd)
+    dist.barrier()
+    return target
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Every rank: load the checkpoint folder ``path`` into ``model`` and ``optimizer`` (whatever their layout;
+    DCP reads the chunks each rank's pieces overlap) and return its step, the first step left to run."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    step_keys = [key for key in stored if key.startswith("optim.") and key.endswith(".step")]
+    step_dtype = stored[step_keys[0]].properties.dtype if step_keys else torch.float32
+    tensors, steps = training_state(model, optimizer, step_dtype)
+    missing = sorted((set(tensors) | set(steps)) - set(stored))
+    if missing:
+        raise ValueError(f"{path} holds no {', '.join(missing[:3])}{' ...' * (len(missing) > 3)}: another model's")
+    counters = {key: torch.zeros((), dtype=stored[key].properties.dtype) for key in steps}
+    state: dict[str, Any] = {**tensors, **counters}
+    rng = f"rng.rank{dist.get_rank()}"
+    same_world = meta["world_size"] == dist.get_world_size()
+    if same_world:
+        state[rng] = torch.empty_like(torch.get_rng_state())
+    dcp.load(state, storage_reader=reader, planner=_planners()[1])
+    keys_of: dict[int, list[str]] = {}  # a ZeRO slice's one counter is saved under each parameter it meets
+    for key, states in steps.items():
+        for s in states:
+            keys_of.setdefault(id(s), []).append(key)
+    for key, states in steps.items():
+        for s in states:
+            values = {counters[k].item() for k in keys_of[id(s)]}
+            if len(values) > 1:
+                raise RuntimeError(f"{path}: AdamW step counters {sorted(values)} differ within one slice at {key}")
+            s["step"] = counters[key].clone()
+    if same_world:
+        torch.set_rng_state(state[rng])
+    return int(meta["step"])
+
+
+# ------------------------------------------------------------------------------------------------ the harness's side
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``meta.json`` of checkpoint folder ``path``; a ValueError if it is not one."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not (path / ".metadata").is_file():
+        raise ValueError(
+            f"{path} is not a checkpoint of this course (a folder with {META} of format {FORMAT} and DCP's "
+            f".metadata, as run --checkpoint-dir writes them as step-<n>)"
+        )
+    return meta
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint (``step-<n>`` with the largest n) in ``directory``, or None."""
+    found = []
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
+        if (m := _STEP_DIR.fullmatch(entry.name)) and (entry / META).is_file():
+            found.append((int(m.group(1)), entry))
+    return max(found)[1] if found else None
+
+
+def find(path: str | os.PathLike) -> Path:
+    """The checkpoint ``path`` names: that folder if it is a checkpoint, else the newest one inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"cannot resume from {path}: no such file or folder")
+    if (path / META).is_file():
+        return path
+    newest = latest(path)
+    if newest is None:
+        raise ValueError(
+            f"cannot resume from {path}: it is not a checkpoint and holds none (no step-<n> folder with {META}; "
+            f"a save that crashed leaves only .step-<n>.partial)"
+        )
+    return newest
+
+
+def describe(scheme: str, world_size: int, cfg: Any, train: Any, model: Callable | None) -> dict:
+    """What a checkpoint records about the run beside its step: the scheme and world size (for the report; any
+    checkpointing scheme and size can load it) and what must match to resume: the model and the training path."""
+    return {
+        "scheme": scheme,
+        "world_size": world_size,
+        "model_config": dataclasses.asdict(cfg),
+        "model_factory": None if model is None else f"{model.__module__}.{model.__qualname__}",
+        "train": {k: getattr(train, k) for k in TRAIN_FIELDS},
+        "torch": torch.__version__,
+    }
+
+
+def plan_for(
+    scheme: str,
+    takes_checkpoints: bool,
+    world_size: int,
+    cfg: Any,
+    train: Any,
+    model: Callable | None,
+    directory: str | os.PathLike | None,
+    every: int | None,
+    resume: str | os.PathLike | None,
+) -> Plan | None:
+    """The run's plan, or None without checkpoints; a ValueError saying what to change for a scheme that cannot
+    checkpoint, ``every`` without a folder (or the reverse), or a resume from something that is not a checkpoint,
+    of another model or training settings, or with no step left to run."""
+    if directory is None and every is None and resume is None:
+        return None
+    if not takes_checkpoints:
+        raise ValueError(f"scheme {scheme!r} cannot save or resume checkpoints yet (dp, zero1-3 and single can)")
+    if (directory is None) != (every is None):
+        raise ValueError("checkpoints need both a folder and an interval: checkpoint_dir=D and checkpoint_every=K")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"checkpoint_every must be a whole number of steps of at least 1, not {every!r}")
+    meta = describe(scheme, world_size, cfg, train, model)
+    if resume is None:
+        return Plan(meta, str(directory), every)
+    path = find(resume)
+    saved = read_meta(path)
+    wrong = [
+        f"{field}={saved['model_config'].get(field)!r} (this run: {value!r})"
+        for field, value in meta["model_config"].items()
+        if saved["model_config"].get(field) != value
+    ] + [
+        f"{field}={saved['train'].get(field)!r} (this run: {value!r})"
+        for field, value in meta["train"].items()
+        if saved["train"].get(field) != value
+    ]
+    if saved["model_factory"] != meta["model_factory"]:
+        wrong.append(f"model={saved['model_factory']} (this run: {meta['model_factory']})")
+    if wrong:
+        raise ValueError(
+            f"cannot resume from {path}: it was saved by another model or training run: {'; '.join(wrong)}. "
+            f"Resume with the settings it was saved with"
+        )
+    if saved["step"] >= train.steps:
+        raise ValueError(
+            f"cannot resume from {path}: it holds the state after {saved['step']} steps, and this run has "
+            f"{train.steps}, so nothing is left to train; ask for more than {saved['step']} steps"
+        )
+    return Plan(meta, None if directory is None else str(directory), every, str(path), saved["step"])

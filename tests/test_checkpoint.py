@@ -1,0 +1,164 @@
+"""Distributed checkpoints (issue 14): a run killed after a checkpoint and resumed from it equals the uninterrupted
+run bit for bit in float64; a checkpoint loads into another layout (DCP reshards) and trains on equal to one device;
+a crash while saving leaves the previous checkpoint intact; bad resumes are refused before any rank starts."""
+
+import json
+
+import pytest
+import torch
+
+from course_lib import checkpoint
+from course_lib.cli import main
+from course_lib.faults import Fault
+from course_lib.launch import RankError
+from course_lib.models import GPTConfig, TrainConfig
+from course_lib.schemes import run_scheme
+
+CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
+TRAIN = TrainConfig(steps=4, dtype="float64")
+BOUND = 1e-12  # one device vs a scheme in float64 (the schemes' tests see ~1e-15)
+
+
+def params(run) -> dict[str, torch.Tensor]:
+    whole = {}
+    for value in run.result:
+        whole |= value["params"] or {}
+    return whole
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Each scheme's 4 steps on 2 ranks without checkpoints, run once."""
+    runs = {}
+
+    def get(scheme: str):
+        if scheme not in runs:
+            runs[scheme] = run_scheme(scheme, 2, CFG, TRAIN)
+        return runs[scheme]
+
+    return get
+
+
+@pytest.mark.parametrize("scheme", ["dp", "zero2", "zero3"])
+def test_killed_run_resumes_bitwise(scheme, uninterrupted, tmp_path):
+    full = uninterrupted(scheme)
+    with pytest.raises(RankError, match="rank 1 of 2 was killed by signal SIGKILL during step 3"):
+        run_scheme(scheme, 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2, fault=Fault(1, 3, "kill"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]  # saved after steps 0-1, killed before step 4's
+    resumed = run_scheme(scheme, 2, CFG, TRAIN, resume=tmp_path)
+    report = resumed.report
+    assert report["first_step"] == 2 and report["resumed_from"]["scheme"] == scheme
+    assert report["losses"] == full.report["losses"][2:]  # float equality: bit for bit
+    assert bitwise_equal(params(resumed), params(full))
+    assert report["reference_losses"] == full.report["reference_losses"][2:]
+    assert report["max_abs_loss_diff"] < BOUND and report["max_abs_param_diff"] < BOUND
+
+
+REAL_LOAD = checkpoint.load
+
+
+def load_parameters_only(path, model, optimizer) -> int:
+    """A resume that restores the parameters but not AdamW's moments and step counters (a model-only checkpoint)."""
+    step = REAL_LOAD(path, model, optimizer)
+    getattr(optimizer, "optim", optimizer).state.clear()
+    return step
+
+
+def test_resume_without_optimizer_state_would_differ(uninterrupted, tmp_path):
+    """The bitwise test can fail: without the optimizer's state the resumed run goes elsewhere."""
+    run_scheme("zero2", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
+    patch = ("course_lib.checkpoint", "load", load_parameters_only)
+    resumed = run_scheme("zero2", 2, CFG, TRAIN, resume=tmp_path / "step-2", patch=patch)
+    full = uninterrupted("zero2").report
+    assert resumed.report["losses"][0] == full["losses"][2]  # step 2's forward sees the right parameters
+    assert abs(resumed.report["losses"][1] - full["losses"][3]) > 1e-6
+    assert resumed.report["max_abs_param_diff"] > 1e-6
+
+
+def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
+    with pytest.raises(RankError, match="rank 0 of 2 was killed by signal SIGKILL during step 3"):
+        run_scheme(
+            "zero3", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2, fault=Fault(0, 3, "kill", "checkpoint")
+        )
+    partial = tmp_path / ".step-4.partial"
+    assert (partial / ".metadata").is_file() and not (partial / checkpoint.META).exists()  # shards written, no rename
+    assert not (tmp_path / "step-4").exists() and checkpoint.find(tmp_path) == tmp_path / "step-2"
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        checkpoint.read_meta(partial)
+    resumed = run_scheme("zero3", 2, CFG, TRAIN, resume=tmp_path)
+    assert resumed.report["losses"] == uninterrupted("zero3").report["losses"][2:]
+    assert bitwise_equal(params(resumed), params(uninterrupted("zero3")))
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(("zero3", 4), ("zero3", 2)), (("zero3", 2), ("dp", 1)), (("zero2", 2), ("zero3", 1))],
+    ids=["zero3x4-zero3x2", "zero3x2-dp1", "zero2x2-zero3x1"],
+)
+def test_resharded_resume_trains_on_equal_to_one_device(saved, loaded, tmp_path):
+    run_scheme(
+        saved[0], saved[1], CFG, TrainConfig(steps=2, dtype="float64"), checkpoint_dir=tmp_path, checkpoint_every=2
+    )
+    resumed = run_scheme(loaded[0], loaded[1], CFG, TRAIN, resume=tmp_path, in_process=loaded[1] == 1)
+    report = resumed.report
+    assert report["resumed_from"] == {"path": str(tmp_path / "step-2"), "scheme": saved[0], "world_size": saved[1]}
+    assert len(report["losses"]) == 2 and report["max_abs_loss_diff"] < BOUND and report["max_abs_param_diff"] < BOUND
+
+
+@pytest.fixture(scope="module")
+def saved_at_4(tmp_path_factory):
+    """A checkpoint of dp on 2 ranks after 4 steps."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    run_scheme("dp", 2, CFG, TRAIN, checkpoint_dir=folder, checkpoint_every=4)
+    return folder / "step-4"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "train", "resume", "match"),
+    [
+        (CFG, TrainConfig(steps=6, dtype="float64"), "{empty}", "is not a checkpoint and holds none"),
+        (CFG, TrainConfig(steps=6, dtype="float64"), "{missing}", "no such file or folder"),
+        (
+            GPTConfig(vocab=64, seq=16, d_model=64, heads=2),
+            TrainConfig(steps=6, dtype="float64"),
+            "{ckpt}",
+            "d_model=32",
+        ),
+        (CFG, TrainConfig(steps=6, dtype="float32"), "{ckpt}", "dtype='float64'"),
+        (CFG, TRAIN, "{ckpt}", "after 4 steps, and this run has 4"),
+    ],
+    ids=["empty-folder", "no-folder", "other-model", "other-dtype", "no-step-left"],
+)
+def test_bad_resume_is_refused_before_any_rank(cfg, train, resume, match, saved_at_4, tmp_path, nothing_may_start):
+    path = resume.format(empty=tmp_path, missing=tmp_path / "nothing", ckpt=saved_at_4)
+    with pytest.raises(ValueError, match=match):
+        run_scheme("zero3", 2, cfg, train, resume=path)
+
+
+def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start):
+    with pytest.raises(ValueError, match="cannot save or resume checkpoints yet"):
+        run_scheme("tp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
+    with pytest.raises(ValueError, match="both a folder and an interval"):
+        run_scheme("dp", 2, CFG, TRAIN, checkpoint_every=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        run_scheme("dp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=0)
+    with pytest.raises(ValueError, match="step 2 does not"):
+        run_scheme(
+            "dp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2, fault=Fault(0, 2, "kill", "checkpoint")
+        )
+
+
+def test_cli_saves_and_resumes(tmp_path, capsys):
+    common = ["run", "zero3", "--world-size", "2", "--steps", "4", "--dtype", "float64", "--layers", "1"]
+    assert main([*common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", "--json", "-"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+    assert main([*common, "--resume", str(tmp_path / "step-2"), "--json", "-"]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    with pytest.raises(SystemExit, match="nothing is left to train"):
+        main([*common, "--resume", str(tmp_path)])

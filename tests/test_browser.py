@@ -235,7 +235,8 @@ def _widget(page, call: str):
     cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=call))
     sync_api.expect(cell).to_have_count(1)
     widget = cell.locator(".widget-interact")
-    sync_api.expect(widget).to_be_visible()
+    # The kernel renders it after the cell's computation: allow for a loaded machine (a timing, not a speed target).
+    sync_api.expect(widget).to_be_visible(timeout=30_000)
     return widget
 
 

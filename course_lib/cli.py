@@ -739,7 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     broken.add_argument("--at-step", type=_natural, metavar="K", help="the step it fails in, from 0")
     broken.add_argument("--fault", choices=KINDS, help="how it fails (default kill: SIGKILL)")
     broken.add_argument("--fault-phase", choices=PHASES, help="where in the step (default forward: its start)")
-    saving = run.add_argument_group("checkpoints (dp, zero1-3, single; any of them resumes any other's)")
+    saving = run.add_argument_group(
+        "checkpoints (single, dp, zero1-3, tp, sp, pp, 3d; any of them resumes any other's)"
+    )
     saving.add_argument("--checkpoint-dir", metavar="D", help="save the training state as D/step-<n>")
     saving.add_argument("--checkpoint-every", type=_positive_int, metavar="K", help="after every K-th step")
     saving.add_argument(

@@ -11,7 +11,8 @@ from course_lib import checkpoint
 from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.launch import RankError
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.models import GPTConfig, TinyGPT, TrainConfig
+from course_lib.parallel.pipeline import Stages, stage_layout
 from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
@@ -30,26 +31,56 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Each scheme's layout in the resume tests: (world size, options); the 3D grid is tp 2 x pp 2 x dp 2 by default.
+LAYOUTS = {
+    "dp": (2, {}),
+    "zero2": (2, {}),
+    "zero3": (2, {}),
+    "tp": (2, {}),
+    "pp": (2, {}),
+    "3d": (8, {"zero": 1}),  # ZeRO-1 over the dp ranks: its slices cut across tensor-parallel shards
+}
+
+
+def run_layout(scheme: str, **kwargs):
+    world, options = LAYOUTS[scheme]
+    return run_scheme(scheme, world, CFG, TRAIN, **options, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
-    """Each scheme's 4 steps on 2 ranks without checkpoints, run once."""
+    """Each scheme's 4 steps in its layout without checkpoints, run once."""
     runs = {}
 
     def get(scheme: str):
         if scheme not in runs:
-            runs[scheme] = run_scheme(scheme, 2, CFG, TRAIN)
+            runs[scheme] = run_layout(scheme)
         return runs[scheme]
 
     return get
 
 
-@pytest.mark.parametrize("scheme", ["dp", "zero2", "zero3"])
-def test_killed_run_resumes_bitwise(scheme, uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Each scheme's run with a checkpoint every 2 steps, rank 1 killed in step 3: its checkpoint folder, run once."""
+    folders = {}
+
+    def get(scheme: str):
+        if scheme not in folders:
+            folder, world = tmp_path_factory.mktemp(f"killed-{scheme}"), LAYOUTS[scheme][0]
+            with pytest.raises(RankError, match=f"rank 1 of {world} was killed by signal SIGKILL during step 3"):
+                run_layout(scheme, checkpoint_dir=folder, checkpoint_every=2, fault=Fault(1, 3, "kill"))
+            assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # saved after steps 0-1, not after step 3
+            folders[scheme] = folder
+        return folders[scheme]
+
+    return get
+
+
+@pytest.mark.parametrize("scheme", ["dp", "zero2", "zero3", "tp", "pp", "3d"])
+def test_killed_run_resumes_bitwise(scheme, uninterrupted, killed):
     full = uninterrupted(scheme)
-    with pytest.raises(RankError, match="rank 1 of 2 was killed by signal SIGKILL during step 3"):
-        run_scheme(scheme, 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2, fault=Fault(1, 3, "kill"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]  # saved after steps 0-1, killed before step 4's
-    resumed = run_scheme(scheme, 2, CFG, TRAIN, resume=tmp_path)
+    resumed = run_layout(scheme, resume=killed(scheme))
     report = resumed.report
     assert report["first_step"] == 2 and report["resumed_from"]["scheme"] == scheme
     assert report["losses"] == full.report["losses"][2:]  # float equality: bit for bit
@@ -94,19 +125,41 @@ def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(uninterrup
     assert bitwise_equal(params(resumed), params(uninterrupted("zero3")))
 
 
+def assert_trains_on_equal(resumed, path, scheme: str, world_size: int) -> None:
+    """A resume from ``path`` (saved after 2 steps by ``scheme`` on ``world_size`` ranks) trained the 2 steps left
+    within BOUND of one device."""
+    report = resumed.report
+    assert report["resumed_from"] == {"path": str(path), "scheme": scheme, "world_size": world_size}
+    assert len(report["losses"]) == 2 and report["max_abs_loss_diff"] < BOUND and report["max_abs_param_diff"] < BOUND
+
+
+FOUR_HEADS = GPTConfig(vocab=64, seq=16, d_model=32, heads=4)  # tensor parallel on 4 ranks
+
+
 @pytest.mark.parametrize(
     ("saved", "loaded"),
-    [(("zero3", 4), ("zero3", 2)), (("zero3", 2), ("dp", 1)), (("zero2", 2), ("zero3", 1))],
-    ids=["zero3x4-zero3x2", "zero3x2-dp1", "zero2x2-zero3x1"],
+    [
+        (("zero3", 4), ("zero3", 2)),
+        (("zero3", 2), ("dp", 1)),
+        (("zero2", 2), ("zero3", 1)),
+        (("sp", 4), ("tp", 2)),
+        (("zero3", 2), ("pp", 2)),
+    ],
+    ids=["zero3x4-zero3x2", "zero3x2-dp1", "zero2x2-zero3x1", "spx4-tpx2", "zero3x2-ppx2"],
 )
 def test_resharded_resume_trains_on_equal_to_one_device(saved, loaded, tmp_path):
-    run_scheme(
-        saved[0], saved[1], CFG, TrainConfig(steps=2, dtype="float64"), checkpoint_dir=tmp_path, checkpoint_every=2
-    )
-    resumed = run_scheme(loaded[0], loaded[1], CFG, TRAIN, resume=tmp_path, in_process=loaded[1] == 1)
-    report = resumed.report
-    assert report["resumed_from"] == {"path": str(tmp_path / "step-2"), "scheme": saved[0], "world_size": saved[1]}
-    assert len(report["losses"]) == 2 and report["max_abs_loss_diff"] < BOUND and report["max_abs_param_diff"] < BOUND
+    train = TrainConfig(steps=2, dtype="float64")
+    run_scheme(saved[0], saved[1], FOUR_HEADS, train, checkpoint_dir=tmp_path, checkpoint_every=2)
+    resumed = run_scheme(loaded[0], loaded[1], FOUR_HEADS, TRAIN, resume=tmp_path, in_process=loaded[1] == 1)
+    assert_trains_on_equal(resumed, tmp_path / "step-2", *saved)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("tp", ("dp", 1)), ("pp", ("dp", 2)), ("3d", ("dp", 4))])
+def test_killed_runs_checkpoint_resumes_in_another_layout(saved, loaded, killed):
+    """The tensor-parallel shards, pipeline stages and 3D grid (with ZeRO-1 over TP shards) of the killed runs'
+    checkpoints load whole into data parallelism."""
+    resumed = run_scheme(loaded[0], loaded[1], CFG, TRAIN, resume=killed(saved), in_process=loaded[1] == 1)
+    assert_trains_on_equal(resumed, killed(saved) / "step-2", saved, LAYOUTS[saved][0])
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +194,7 @@ def test_bad_resume_is_refused_before_any_rank(cfg, train, resume, match, saved_
 
 def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start):
     with pytest.raises(ValueError, match="cannot save or resume checkpoints yet"):
-        run_scheme("tp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
+        run_scheme("cp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
     with pytest.raises(ValueError, match="both a folder and an interval"):
         run_scheme("dp", 2, CFG, TRAIN, checkpoint_every=2)
     with pytest.raises(ValueError, match="at least 1"):
@@ -162,3 +215,13 @@ def test_cli_saves_and_resumes(tmp_path, capsys):
     assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
     with pytest.raises(SystemExit, match="nothing is left to train"):
         main([*common, "--resume", str(tmp_path)])
+
+
+@pytest.mark.parametrize(("p", "chunks"), [(2, 1), (1, 2)])
+def test_pipeline_stages_save_each_parameter_once(p, chunks):
+    """The tied embedding sits on the first and the last stage and is saved by the first only (a 3D grid's ZeRO-1
+    may cut the two copies' optimizer state differently, which DCP would refuse as overlapping chunks)."""
+    layout = stage_layout(CFG, TRAIN, p, chunks)
+    saved = [h.name for stages in layout for h in Stages(stages.values()).checkpoint_holdings() if h.save]
+    trainable = [name for name, q in TinyGPT(CFG).named_parameters() if q.requires_grad]
+    assert sorted(saved) == sorted(trainable)

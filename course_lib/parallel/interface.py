@@ -59,8 +59,9 @@ class Scheme:
     ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
     the ranks' reports and the settings: ``routed_comm(results, cfg, train, o)`` gives each rank's bytes by
     collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key. ``checkpoint`` says
-    whether the scheme's state is one :mod:`course_lib.checkpoint` can save and resume (whole parameters with AdamW,
-    or their slices in ZeRO's and FSDP's flat buffers); the harness refuses checkpoint settings for the others.
+    whether the scheme's state is one :mod:`course_lib.checkpoint` can save and resume (parameters with AdamW, whole,
+    as tensor-parallel shards or pipeline stages, or their slices in ZeRO's and FSDP's flat buffers); the harness
+    refuses checkpoint settings for the others.
     """
 
     name: str

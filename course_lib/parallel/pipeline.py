@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.checkpoint import Held
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
@@ -27,6 +28,7 @@ from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.schedules import Action, bubble_formula, default_costs, generate, simulate
 from course_lib.parallel.schedules import validate as validate_schedule
+from course_lib.parallel.tensor import placement
 
 
 def split_layers(layers: int, stages: int) -> list[range]:
@@ -59,6 +61,7 @@ class PipelineStage(nn.Module):
             self.ln_f = model.ln_f
         # The model's own embedding and loss (plain, or tensor-parallel): plain attributes, not submodules.
         self.embed, self.output_loss = model.embed, model.output_loss
+        self.tp, self.tp_rank = getattr(model, "tp", 1), getattr(model, "tp_rank", 0)  # its tensor-parallel shards
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (first stage) or activations in; activations out, or the loss on the last stage. A stage that
@@ -92,6 +95,30 @@ class PipelineStage(nn.Module):
                     else {f"{name}.{n}": p for n, p in module.named_parameters()}
                 )
         return out
+
+    def checkpoint_holdings(self) -> list[Held]:
+        """This stage's trainable parameters (or tensor-parallel shards) for :mod:`course_lib.checkpoint`, under the
+        one-device names. The tied embedding is saved by the first stage: the last one's copy is equal, but a grid's
+        ZeRO-1 slices its optimizer state differently, and DCP deduplicates only identical pieces."""
+        return [
+            Held(name, p, *placement(name, p.shape, self.tp_rank, self.tp), save=self.first or name != "tok_emb.weight")
+            for name, p in self.reference_names().items()
+            if p.requires_grad
+        ]
+
+
+class Stages(nn.ModuleList):
+    """A rank's pipeline stages, as its strategy's model."""
+
+    def checkpoint_holdings(self) -> list[Held]:
+        """Every stage's :meth:`PipelineStage.checkpoint_holdings`, each parameter once (saved if any stage saves
+        it: a rank holding both the first and the last stage)."""
+        held: dict[int, Held] = {}
+        for stage in self:
+            for h in stage.checkpoint_holdings():
+                if id(h.param) not in held or h.save:
+                    held[id(h.param)] = h
+        return list(held.values())
 
 
 def stage_params(stages: dict[int, PipelineStage]) -> dict[str, torch.Tensor]:
@@ -198,7 +225,7 @@ class PipelineSync(DataParallelStrategy):
     def __init__(
         self, stages: dict[int, PipelineStage], optimizer: torch.optim.Optimizer, tied: Group, coords: dict
     ) -> None:
-        super().__init__(nn.ModuleList(stages.values()), optimizer)
+        super().__init__(Stages(stages.values()), optimizer)
         self.stages, self.tied, self.coords = stages, tied, coords
 
     def finish_gradients(self) -> None:
@@ -368,5 +395,6 @@ SCHEMES = (
         axes=("pp",),
         describe=describe,
         layers_needed=lambda world_size, o: world_size * o["chunks"],
+        checkpoint=True,
     ),
 )

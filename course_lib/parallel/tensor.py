@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, launch, trace
+from course_lib.checkpoint import Block, Held, whole
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
@@ -526,6 +527,14 @@ class TensorParallelGPT(TinyGPT):
         """Every parameter whole, under the reference's names (all-gathers the shards; every rank must call it)."""
         return {name: unshard(name, p, self.group, self.cfg.d_model) for name, p in self.named_parameters()}
 
+    def checkpoint_holdings(self) -> list[Held]:
+        """This rank's shards for :mod:`course_lib.checkpoint`, each placed in its one-device parameter."""
+        return [
+            Held(name, p, *placement(name, p.shape, self.tp_rank, self.tp))
+            for name, p in self.named_parameters()
+            if p.requires_grad
+        ]
+
 
 def unshard(name: str, p: torch.Tensor, group: Group, hidden: int) -> torch.Tensor:
     """The whole parameter ``name`` from this rank's shard ``p`` (all-gathers over the tensor-parallel group)."""
@@ -678,6 +687,26 @@ def shard_shape(name: str, param: torch.Tensor, t: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[int, ...], tuple[Block, ...]]:
+    """The one-device shape of parameter ``name`` and where rank ``r`` of ``t``'s shard of shape ``shard`` sits in
+    it, as :class:`course_lib.checkpoint.Block` boxes: one for ``rows`` (a block of rows) and ``columns`` (a block
+    of columns), three for ``heads`` (the fused qkv's [q_r; k_r; v_r]: rows r h/t .. (r+1) h/t of each of q, k
+    and v), the whole tensor when it is not split."""
+    shard = tuple(shard)
+    split = sharding(name)
+    if split is None or t == 1:
+        return shard, whole(shard)
+    zeros = (0,) * len(shard)
+    if split == "heads":
+        third = shard[0] // 3  # h/t rows of each of q, k, v
+        blocks = tuple(Block((j * third, 0), (j * third * t + r * third, 0), (third, shard[1])) for j in range(3))
+        return (3 * third * t, shard[1]), blocks
+    dim = 0 if split == "rows" else 1
+    shape = tuple(n * t if d == dim else n for d, n in enumerate(shard))
+    at = tuple(r * n if d == dim else 0 for d, n in enumerate(shard))
+    return shape, (Block(zeros, at, shard),)
+
+
 def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
     check_tensor_parallel(cfg, world_size, o["sp"])
 
@@ -708,7 +737,7 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 def _scheme(name: str, summary: str, sp: bool) -> Scheme:
     train = functools.partial(train_tensor_parallel, sp=sp)
-    return Scheme(name, summary, train, validate, predict_memory, predict_comm, axes=("tp",))
+    return Scheme(name, summary, train, validate, predict_memory, predict_comm, axes=("tp",), checkpoint=True)
 
 
 SCHEMES = (

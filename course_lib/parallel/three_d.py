@@ -520,5 +520,6 @@ SCHEMES = (
         # An MoE in a pipeline of microbatches trains without the balance loss (see check_experts).
         model_settings={"aux_loss_coef": 0.0},
         routed_comm=routed_comm,
+        checkpoint=True,
     ),
 )

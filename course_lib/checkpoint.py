@@ -472,7 +472,8 @@ def plan_for(
         return None
     if not takes_checkpoints:
         raise ValueError(
-            f"scheme {scheme!r} cannot save or resume checkpoints yet (single, dp, zero1-3, tp, sp, pp and 3d can)"
+            f"scheme {scheme!r} cannot save or resume checkpoints: its entry says checkpoint=False (a scheme "
+            f"checkpoints when its rank function trains through train_loop and its model describes what it holds)"
         )
     if (directory is None) != (every is None):
         raise ValueError("checkpoints need both a folder and an interval: checkpoint_dir=D and checkpoint_every=K")

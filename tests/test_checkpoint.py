@@ -2,12 +2,13 @@
 run bit for bit in float64; a checkpoint loads into another layout (DCP reshards) and trains on equal to one device;
 a crash while saving leaves the previous checkpoint intact; bad resumes are refused before any rank starts."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from course_lib import checkpoint
+from course_lib import checkpoint, schemes
 from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.launch import RankError
@@ -39,12 +40,17 @@ LAYOUTS = {
     "tp": (2, {}),
     "pp": (2, {}),
     "3d": (8, {"zero": 1}),  # ZeRO-1 over the dp ranks: its slices cut across tensor-parallel shards
+    "cp": (2, {}),
+    "ep": (2, {}),  # each rank saves its own experts, under their one-device names
 }
+
+
+CONFIGS = {"ep": dataclasses.replace(CFG, experts=4, top_k=2)}  # expert parallelism needs an MoE
 
 
 def run_layout(scheme: str, **kwargs):
     world, options = LAYOUTS[scheme]
-    return run_scheme(scheme, world, CFG, TRAIN, **options, **kwargs)
+    return run_scheme(scheme, world, CONFIGS.get(scheme, CFG), TRAIN, **options, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def killed(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("scheme", ["dp", "zero2", "zero3", "tp", "pp", "3d"])
+@pytest.mark.parametrize("scheme", ["dp", "zero2", "zero3", "tp", "pp", "3d", "cp", "ep"])
 def test_killed_run_resumes_bitwise(scheme, uninterrupted, killed):
     full = uninterrupted(scheme)
     resumed = run_layout(scheme, resume=killed(scheme))
@@ -154,11 +160,15 @@ def test_resharded_resume_trains_on_equal_to_one_device(saved, loaded, tmp_path)
     assert_trains_on_equal(resumed, tmp_path / "step-2", *saved)
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [("tp", ("dp", 1)), ("pp", ("dp", 2)), ("3d", ("dp", 4))])
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [("tp", ("dp", 1)), ("pp", ("dp", 2)), ("3d", ("dp", 4)), ("cp", ("dp", 2)), ("ep", ("single", 1))],
+)
 def test_killed_runs_checkpoint_resumes_in_another_layout(saved, loaded, killed):
-    """The tensor-parallel shards, pipeline stages and 3D grid (with ZeRO-1 over TP shards) of the killed runs'
-    checkpoints load whole into data parallelism."""
-    resumed = run_scheme(loaded[0], loaded[1], CFG, TRAIN, resume=killed(saved), in_process=loaded[1] == 1)
+    """The tensor-parallel shards, pipeline stages, 3D grid (with ZeRO-1 over TP shards), context-parallel replicas
+    and expert-parallel ranks (each with its own experts) of the killed runs' checkpoints load whole elsewhere."""
+    cfg = CONFIGS.get(saved, CFG)
+    resumed = run_scheme(loaded[0], loaded[1], cfg, TRAIN, resume=killed(saved), in_process=loaded[1] == 1)
     assert_trains_on_equal(resumed, killed(saved) / "step-2", saved, LAYOUTS[saved][0])
 
 
@@ -192,8 +202,10 @@ def test_bad_resume_is_refused_before_any_rank(cfg, train, resume, match, saved_
         run_scheme("zero3", 2, cfg, train, resume=path)
 
 
-def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start):
-    with pytest.raises(ValueError, match="cannot save or resume checkpoints yet"):
+def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start, monkeypatch):
+    without = dataclasses.replace(schemes.SCHEMES["cp"], checkpoint=False)  # every course scheme checkpoints
+    monkeypatch.setitem(schemes.SCHEMES, "cp", without)
+    with pytest.raises(ValueError, match="scheme 'cp' cannot save or resume checkpoints: its entry says"):
         run_scheme("cp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
     with pytest.raises(ValueError, match="both a folder and an interval"):
         run_scheme("dp", 2, CFG, TRAIN, checkpoint_every=2)

@@ -432,5 +432,6 @@ SCHEMES = (
         predict_comm,
         (KV, GRAD_ACCUM),
         axes=("cp",),
+        checkpoint=True,
     ),
 )

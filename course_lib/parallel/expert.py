@@ -264,5 +264,6 @@ SCHEMES = (
         moe=True,
         model_settings={"experts": 8, "top_k": 2},
         routed_comm=routed_comm,
+        checkpoint=True,
     ),
 )

@@ -151,6 +151,44 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
 
 
+def split_experts(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``model``'s trainable parameters outside the experts (dense: replicated, averaged like data parallelism's),
+    and its experts' (:func:`expert_params`)."""
+    experts = expert_params(model)
+    held = {id(p) for p in experts}
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in held], experts
+
+
+def finish_expert_gradients(experts: list[nn.Parameter], replicas: Group | None, shares: int) -> None:
+    """The experts' gradients after backward: the all-to-all has already summed into them the losses of the ranks
+    whose tokens they took, so sum them over the ``replicas`` holding the same experts (the expert-data-parallel
+    group; None when each expert has one copy), then divide by the ``shares`` the batch was split into, as an
+    average of the ranks' losses would (see the module docstring)."""
+    if replicas is not None:
+        all_reduce_grads(experts, replicas)
+    for p in experts:
+        p.grad.div_(shares)
+
+
+class RoutingLog:
+    """What the MoE layers of a module routed, step by step: in ``steps``, per step the counts of every forward
+    pass of an MoE layer (ranks of its counts' group x experts), in the order they ran (per microbatch, per layer).
+    A forward hook records each; :meth:`end_step` closes the step."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.steps: list[list] = []
+        self._step: list = []
+        for moe in (m for m in module.modules() if isinstance(m, MoE)):
+            moe.register_forward_hook(self._record)
+
+    def _record(self, moe: MoE, args, out) -> None:
+        self._step.append(moe.counts.tolist())
+
+    def end_step(self) -> None:
+        self.steps.append(self._step)
+        self._step = []
+
+
 class ExpertParallelStrategy(DataParallelStrategy):
     """After backward: average the dense gradients over the ranks; divide the experts' by n (see the module
     docstring: the all-to-all has already summed every rank's contribution into them)."""
@@ -158,17 +196,13 @@ class ExpertParallelStrategy(DataParallelStrategy):
     def __init__(self, model: TinyGPT, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(model, optimizer)
         self.coords = {"ep": dist.get_rank()}
-        self.experts = expert_params(model)
-        held = {id(p) for p in self.experts}
-        self.dense = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
-        self.counts: list[list] = []  # per step, per layer: assignments per (source rank, expert)
+        self.dense, self.experts = split_experts(model)
+        self.routing = RoutingLog(model)  # per step, per layer: assignments per (source rank, expert)
 
     def finish_gradients(self) -> None:
-        self.counts.append([block.mlp.counts.tolist() for block in self.model.blocks])
+        self.routing.end_step()
         all_reduce_grads(self.dense, average=True)
-        n = dist.get_world_size()
-        for p in self.experts:
-            p.grad.div_(n)
+        finish_expert_gradients(self.experts, None, dist.get_world_size())
 
 
 def train_expert_parallel(cfg: GPTConfig, train: TrainConfig, measure_memory: bool = True) -> dict:
@@ -180,7 +214,7 @@ def train_expert_parallel(cfg: GPTConfig, train: TrainConfig, measure_memory: bo
         shard_experts(block.mlp)
     strategy = ExpertParallelStrategy(model, make_optimizer(model.parameters(), train))
     report = train_loop(strategy, cfg, train, measure_memory=measure_memory)
-    return {**report, "params": final_params(model), "counts": strategy.counts}
+    return {**report, "params": final_params(model), "counts": strategy.routing.steps}
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
@@ -203,10 +237,9 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     """Every rank holds the dense parameters and E/n of each layer's experts, with their gradients and AdamW
     states. No activations: what the experts save depends on how many tokens the router sends each rank."""
     model = TinyGPT(cfg)
-    experts = {id(p) for p in expert_params(model)}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    dense, experts = split_experts(model)
     share = cfg.experts // world_size
-    held = sum(p.numel() for p in dense) + sum(p.numel() for p in expert_params(model)) // cfg.experts * share
+    held = sum(p.numel() for p in dense) + sum(p.numel() for p in experts) // cfg.experts * share
     tensors = len(dense) + len(experts) // cfg.experts * share
     frozen = count_params(model, trainable_only=False) - count_params(model)
     row = adamw_state_bytes(train.torch_dtype.itemsize, held, frozen, tensors)

@@ -79,7 +79,15 @@ from course_lib.parallel.context import (
     sequence_shard,
 )
 from course_lib.parallel.data import all_reduce_grads, train_loop
-from course_lib.parallel.expert import all_to_all_bytes, expert_params, local_experts, shard_experts
+from course_lib.parallel.expert import (
+    RoutingLog,
+    all_to_all_bytes,
+    expert_params,
+    finish_expert_gradients,
+    local_experts,
+    shard_experts,
+    split_experts,
+)
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.pipeline import (
     CHUNKS,
@@ -118,8 +126,8 @@ class GridSync(PipelineSync):
     embedding's gradient between the first and the last stage; average every gradient over DP x CP (the dp-cp
     group ``grads``), or with ``zero`` reduce-scatter them to ZeRO-1 slices over it (whose step all-gathers the
     updated parameters). With experts, the experts' gradients are summed over the edp group instead and divided
-    by DP (see the module docstring), and ``counts`` keeps, per step, what each MoE layer's router counted in each
-    forward pass (microbatch), in the order they ran."""
+    by DP (see the module docstring), and ``routing`` (:class:`RoutingLog`) keeps, per step, what each MoE
+    layer's router counted in each forward pass (microbatch), in the order they ran."""
 
     def __init__(
         self, stages: dict[int, PipelineStage], train: TrainConfig, mesh: Mesh, tied, grads, sp: bool, zero: int
@@ -140,13 +148,9 @@ class GridSync(PipelineSync):
             optimizer = make_optimizer(held.parameters(), train)
         super().__init__(stages, optimizer, tied, {axis: mesh.coords[axis] for axis in AXES})
         self.mesh, self.grads, self.sp, self.zero = mesh, grads, sp, zero
-        self.sp_params, self.experts = sequence_parallel_params(held), expert_params(held)
-        experts = {id(p) for p in self.experts}
-        self.dense = [p for p in held.parameters() if id(p) not in experts]
-        self.counts: list[list] = []
-        self._routed: list = []
-        for moe in (m for m in held.modules() if isinstance(m, MoE)):
-            moe.register_forward_hook(lambda module, args, out: self._routed.append(module.counts.tolist()))
+        self.sp_params = sequence_parallel_params(held)
+        self.dense, self.experts = split_experts(held)
+        self.routing = RoutingLog(held)
 
     def finish_gradients(self) -> None:
         if self.sp:
@@ -157,12 +161,9 @@ class GridSync(PipelineSync):
         else:
             all_reduce_grads(self.dense, self.grads, average=True)
         if self.experts:
-            if len(self.mesh.members["edp"]) > 1:
-                all_reduce_grads(self.experts, self.mesh.groups["edp"])
-            for p in self.experts:
-                p.grad.div_(self.mesh.sizes["dp"])
-            self.counts.append(self._routed)
-            self._routed = []
+            replicas = self.mesh.groups["edp"] if len(self.mesh.members["edp"]) > 1 else None
+            finish_expert_gradients(self.experts, replicas, self.mesh.sizes["dp"])
+            self.routing.end_step()
 
 
 def tied_embedding_group(mesh: Mesh) -> comm.Group:
@@ -245,7 +246,7 @@ def train_3d(
         for name, p in s.reference_names().items()
     }
     last = report["losses"] if mesh.coords["pp"] == pp - 1 else None
-    return {**report, "losses": last, "params": params} | ({"routings": strategy.counts} if cfg.experts else {})
+    return {**report, "losses": last, "params": params} | ({"routings": strategy.routing.steps} if cfg.experts else {})
 
 
 def counts_axis(microbatches: int) -> str:

@@ -39,9 +39,11 @@ they were and a ``.partial`` folder that nothing reads (the next save of that st
 (§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be.
 
 **The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
-before its first step and :func:`save` after each optimizer step that :meth:`Plan.due` names, reading the
-:class:`Plan` that :func:`planned` makes active in the rank's process (as :mod:`course_lib.faults` passes a fault),
-so no scheme carries checkpoint code. The harness builds the plan with :func:`plan_for`, which refuses a bad resume
+before its first step and saves after each optimizer step that :meth:`Plan.due` names (a :class:`Saver`: with
+:func:`save` while training waits, or with ``Plan.asynchronous`` in the background, as ``dcp.async_save`` does),
+reading the :class:`Plan` that :func:`planned` makes active in the rank's process (as :mod:`course_lib.faults`
+passes a fault), so no scheme carries checkpoint code. The harness builds the plan with :func:`plan_for`, which
+refuses a bad resume
 before any rank starts.
 """
 
@@ -53,6 +55,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import faults, launch
+from course_lib import faults, launch, trace
 
 FORMAT = "course_lib.checkpoint/2"  # 2: tensors in their one-device shapes (1: flattened)
 META = "meta.json"
@@ -82,6 +85,7 @@ class Plan:
     every: int | None = None
     resume: str | None = None
     start: int = 0  # the first step to run: the resumed checkpoint's step
+    asynchronous: bool = False  # write in the background (:class:`Saver`)
 
     def due(self, step: int) -> bool:
         """Save after step ``step`` (from 0)? After every ``every``-th optimizer step: (step + 1) % every == 0."""
@@ -314,45 +318,185 @@ def _planners():
 
 
 # ------------------------------------------------------------------------------------------------ save, load
-def save(plan: Plan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Every rank: write the state after ``step`` optimizer steps as ``plan.directory/step-<step>``, atomically
-    (module docstring). An injected fault of phase ``checkpoint`` fires after the shards are written and before the
-    rename (:func:`course_lib.faults.reach`)."""
-    import torch.distributed.checkpoint as dcp
-
-    root = Path(plan.directory)
-    target, partial = root / f"step-{step}", root / f".step-{step}.partial"
-    rank = dist.get_rank()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a crashed save of this step left
-    dist.barrier()
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, staged: bool) -> dict[str, Any]:
+    """What this rank saves: its pieces of every parameter and AdamW state, the AdamW step counters and its RNG
+    state. ``staged``: copies in host memory (contiguous, on the CPU) that training cannot change while a background
+    write reads them; else views of the live tensors."""
     tensors, steps = training_state(model, optimizer, saving=True)
     state: dict[str, Any] = {**tensors, **{key: states[0]["step"] for key, states in steps.items()}}
-    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
+    if not staged:
+        return state
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
+
+    for key, value in state.items():
+        if isinstance(value, Pieces):
+            state[key] = Pieces(value.shape)
+            state[key].pieces = {offsets: copy(piece) for offsets, piece in value.pieces.items()}
+        else:
+            state[key] = copy(value)
+    return state
+
+
+def _folders(plan: Plan, step: int) -> tuple[Path, Path]:
+    """The checkpoint folder of ``step`` and the ``.partial`` folder it is written into."""
+    root = Path(plan.directory)
+    return root / f"step-{step}", root / f".step-{step}.partial"
+
+
+def _prepare(plan: Plan, step: int) -> Path:
+    """Every rank, before writing ``step``: rank 0 makes the folder and clears what a crashed save of this step left;
+    returns the ``.partial`` folder to write into."""
+    target, partial = _folders(plan, step)
+    if dist.get_rank() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    return partial
+
+
+def _publish(plan: Plan, step: int) -> Path:
+    """Rank 0, once every rank's shards of ``step`` and DCP's ``.metadata`` are written: add ``meta.json`` and
+    rename the ``.partial`` folder into place (module docstring)."""
+    target, partial = _folders(plan, step)
+    meta = {"format": FORMAT, **plan.meta, "step": step}
+    with open(partial / META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if target.exists():  # the same step saved by an earlier run: set it aside, then drop it
+        aside = target.parent / f".step-{step}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        target.rename(aside)
+        partial.rename(target)
+        shutil.rmtree(aside)
+    else:
+        partial.rename(target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself is on disk
+    finally:
+        os.close(fd)
+    return target
+
+
+def save(plan: Plan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """Every rank: write the state after ``step`` optimizer steps as ``plan.directory/step-<step>``, atomically,
+    while training waits (module docstring). An injected fault of phase ``checkpoint`` fires after the shards are
+    written and before the rename (:func:`course_lib.faults.reach`)."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = _prepare(plan, step)
+    state = _state_to_save(model, optimizer, staged=False)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_planners()[0])
     faults.reach(step - 1, "checkpoint")
-    if rank == 0:
-        meta = {"format": FORMAT, **plan.meta, "step": step}
-        with open(partial / META, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if target.exists():  # the same step saved by an earlier run: set it aside, then drop it
-            aside = root / f".step-{step}.old"
-            shutil.rmtree(aside, ignore_errors=True)
-            target.rename(aside)
-            partial.rename(target)
-            shutil.rmtree(aside)
-        else:
-            partial.rename(target)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself is on disk
-        finally:
-            os.close(fd)
+    if dist.get_rank() == 0:
+        _publish(plan, step)
     dist.barrier()
-    return target
+    return _folders(plan, step)[0]
+
+
+class Saver:
+    """A rank's checkpoints for one run of :func:`course_lib.parallel.data.train_loop`: after each step the plan
+    names, :meth:`after_step` saves, in the foreground (:func:`save`) or, with ``plan.asynchronous``, in the
+    background with PyTorch's ``dcp.async_save``: training stops only to copy the state to host memory (the
+    *stall*); a thread writes the copy while the next steps run, through a gloo group of its own so that its
+    collectives never interleave with training's. DCP's write ends on every rank only once every rank's shards and
+    the ``.metadata`` are on disk, so rank 0's writer then renames the folder into place at once (an injected fault
+    of phase ``checkpoint`` fires in the writer just before). One write is in flight at a time: the next save, and
+    the end of the run (:meth:`finish`), first wait for the one under way, and that wait is a stall too.
+
+    ``timings`` records, per save, on this rank's clock (:func:`course_lib.trace.now`): ``stall`` (training stopped
+    to save), ``write`` (the state going to storage) and ``wait`` (waiting for the background write to end;
+    asynchronous only)."""
+
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp  # imported before the first save, so that no stall includes it
+
+        self._dcp = dcp
+        self.plan, self.model, self.optimizer = plan, model, optimizer
+        self.timings: list[dict] = []
+        self._pending: tuple[dict, threading.Event, list] | None = None
+        self._group = dist.new_group(backend="gloo") if plan.asynchronous else None
+
+    def after_step(self, step: int) -> None:
+        """Step ``step`` (from 0) has taken its optimizer step: save the state if the plan says so."""
+        if not self.plan.due(step):
+            return
+        self.finish()
+        began = trace.now()
+        if not self.plan.asynchronous:
+            save(self.plan, step + 1, self.model, self.optimizer)
+            ended = trace.now()
+            self.timings.append({"step": step + 1, "stall": [began, ended], "write": [began, ended]})
+            return
+        partial = _prepare(self.plan, step + 1)
+        state = _state_to_save(self.model, self.optimizer, staged=True)
+        timing = {"step": step + 1, "stall": [began, None], "write": [trace.now(), None]}
+        done, failed = threading.Event(), []
+
+        def written(future) -> None:  # in the writer's thread, as DCP's write ends on every rank
+            timing["write"][1] = trace.now()
+            try:
+                future.result()
+                faults.reach(step, "checkpoint")
+                if dist.get_rank() == 0:
+                    _publish(self.plan, step + 1)
+            except BaseException as error:  # re-raised by finish, in the training thread
+                failed.append(error)
+            finally:
+                done.set()
+
+        future = self._dcp.async_save(
+            state,
+            storage_writer=self._dcp.FileSystemWriter(partial),
+            planner=_planners()[0],
+            process_group=self._group,
+            async_stager=_already_staged(),
+        )
+        future.add_done_callback(written)
+        timing["stall"][1] = trace.now()
+        self._pending = (timing, done, failed)
+
+    def finish(self) -> None:
+        """Wait for a background save still under way (a no-op otherwise); raise what went wrong in it."""
+        if self._pending is None:
+            return
+        timing, done, failed = self._pending
+        self._pending = None
+        began = trace.now()
+        done.wait()
+        timing["wait"] = [began, trace.now()]
+        self.timings.append(timing)
+        if failed:
+            raise failed[0]
+
+
+def stalls(timing: dict) -> list[list[float]]:
+    """The intervals a save of :attr:`Saver.timings` stopped training: its stall, and its wait if it had one."""
+    return [timing["stall"], *([timing["wait"]] if "wait" in timing else [])]
+
+
+def _already_staged():
+    """A DCP stager that passes the state through: :func:`_state_to_save` has copied it already (DCP's default
+    stager cannot copy :class:`Pieces`)."""
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class AlreadyStaged(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return AlreadyStaged()
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -441,6 +585,24 @@ def find(path: str | os.PathLike) -> Path:
     return newest
 
 
+def stored_chunks(path: str | os.PathLike) -> list[tuple[str, int, int]]:
+    """Every chunk the checkpoint folder ``path`` holds, from DCP's ``.metadata``: (key, the rank that wrote it,
+    bytes of data). The files hold a little more: DCP writes each chunk in a container of its own."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    chunks = []
+    for index, info in metadata.storage_data.items():
+        stored = metadata.state_dict_metadata[index.fqn]
+        if not isinstance(stored, TensorStorageMetadata):
+            raise ValueError(f"{path}: {index.fqn} is not a tensor; a checkpoint of this course holds only tensors")
+        sizes = next(c.sizes for c in stored.chunks if tuple(c.offsets) == tuple(index.offset))
+        rank = int(re.fullmatch(r"__(\d+)_\d+\.distcp", info.relative_path).group(1))  # FileSystemWriter's names
+        chunks.append((index.fqn, rank, math.prod(sizes) * stored.properties.dtype.itemsize))
+    return chunks
+
+
 def describe(scheme: str, world_size: int, cfg: Any, train: Any, model: Callable | None) -> dict:
     """What a checkpoint records about the run beside its step: the scheme and world size (for the report; any
     checkpointing scheme and size can load it) and what must match to resume: the model and the training path."""
@@ -464,10 +626,13 @@ def plan_for(
     directory: str | os.PathLike | None,
     every: int | None,
     resume: str | os.PathLike | None,
+    asynchronous: bool = False,
 ) -> Plan | None:
     """The run's plan, or None without checkpoints; a ValueError saying what to change for a scheme that cannot
-    checkpoint, ``every`` without a folder (or the reverse), or a resume from something that is not a checkpoint,
-    of another model or training settings, or with no step left to run."""
+    checkpoint, ``every`` without a folder (or the reverse), ``asynchronous`` without them, or a resume from
+    something that is not a checkpoint, of another model or training settings, or with no step left to run."""
+    if asynchronous and directory is None:
+        raise ValueError("asynchronous checkpoints need checkpoints: checkpoint_dir=D and checkpoint_every=K")
     if directory is None and every is None and resume is None:
         return None
     if not takes_checkpoints:
@@ -481,7 +646,7 @@ def plan_for(
         raise ValueError(f"checkpoint_every must be a whole number of steps of at least 1, not {every!r}")
     meta = describe(scheme, world_size, cfg, train, model)
     if resume is None:
-        return Plan(meta, str(directory), every)
+        return Plan(meta, str(directory), every, asynchronous=asynchronous)
     path = find(resume)
     saved = read_meta(path)
     wrong = [
@@ -505,4 +670,4 @@ def plan_for(
             f"cannot resume from {path}: it holds the state after {saved['step']} steps, and this run has "
             f"{train.steps}, so nothing is left to train; ask for more than {saved['step']} steps"
         )
-    return Plan(meta, None if directory is None else str(directory), every, str(path), saved["step"])
+    return Plan(meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous)

@@ -308,7 +308,9 @@ def _limits(args) -> dict:
 
 
 def _fault(args) -> Fault | None:
-    """The fault plan of ``--kill-rank R --at-step K [--fault KIND] [--fault-phase PHASE]``, or None."""
+    """The fault plan of ``--kill-rank R --at-step K [--fault KIND] [--fault-phase PHASE]``, or None. Under torchrun
+    it is injected in the job's first attempt only: a restarted attempt (``--max-restarts``) runs without it, as a
+    job restarted after a real failure would."""
     where = {"--kill-rank": args.kill_rank, "--at-step": args.at_step}
     given = [flag for flag, value in where.items() if value is not None]
     if not given and args.fault is None and args.fault_phase is None:
@@ -316,15 +318,38 @@ def _fault(args) -> Fault | None:
     if len(given) < 2:
         got = " ".join(given) or "neither"
         raise SystemExit(f"run {args.scheme}: a fault needs both --kill-rank R and --at-step K (given: {got})")
-    return Fault(args.kill_rank, args.at_step, args.fault or "kill", args.fault_phase or "forward")
+    from course_lib.forkserver import torchrun_restart
+
+    fault = Fault(args.kill_rank, args.at_step, args.fault or "kill", args.fault_phase or "forward")
+    restart = torchrun_restart()
+    if restart:
+        _say(args, f"torchrun restart {restart}: the injected fault ({fault}) fired in the first attempt; not again")
+        return None
+    return fault
+
+
+def _resume(args) -> str | None:
+    """The checkpoint to resume from: ``--resume D``, or with ``--auto-resume`` the newest in ``--checkpoint-dir``
+    (None when it holds none yet: the job's first start)."""
+    from course_lib import checkpoint
+
+    if not args.auto_resume:
+        return args.resume
+    if args.resume is not None or args.checkpoint_dir is None:
+        raise SystemExit(
+            f"run {args.scheme}: --auto-resume resumes from the newest checkpoint in --checkpoint-dir D; give D, "
+            f"and no --resume"
+        )
+    newest = checkpoint.latest(args.checkpoint_dir)
+    return None if newest is None else str(newest)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from course_lib import launch
+    from course_lib import checkpoint, launch
     from course_lib.schemes import ALIASES, SCHEMES, run_scheme
 
     spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
-    fault = _fault(args)
+    fault, resume = _fault(args), _resume(args)
     options, axis_size = _scheme_settings(args, spec)
     settings = spec.settings(options)
     world_size = _world_size(args, spec, settings, axis_size)
@@ -347,7 +372,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             fault=fault,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
+            resume=resume,
+            checkpoint_async=args.checkpoint_async,
             **_limits(args),
             **options,
         )
@@ -373,7 +399,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         _say(args, f"  resumed from {r['path']} ({r['scheme']} on {r['world_size']}) at step {report['first_step']}")
     if "checkpoints" in report:
         c = report["checkpoints"]
-        _say(args, f"  checkpoints every {c['every']} steps in {c['directory']}")
+        how = "in the background" if c["asynchronous"] else "while training waits"
+        every = "every step" if c["every"] == 1 else f"every {c['every']} steps"
+        stood = sum(b - a for t in c["saves"][0] for a, b in checkpoint.stalls(t))
+        _say(
+            args,
+            f"  checkpoints after {every} in {c['directory']}, written {how}; training stood still "
+            f"{stood * 1e3:.3g} ms for them on rank 0",
+        )
     _say(args, f"  losses           {[round(x, 6) for x in report['losses']]}")
     _say(args, f"  reference losses {[round(x, 6) for x in report['reference_losses']]}")
     _say(
@@ -739,13 +772,20 @@ def build_parser() -> argparse.ArgumentParser:
     broken.add_argument("--at-step", type=_natural, metavar="K", help="the step it fails in, from 0")
     broken.add_argument("--fault", choices=KINDS, help="how it fails (default kill: SIGKILL)")
     broken.add_argument("--fault-phase", choices=PHASES, help="where in the step (default forward: its start)")
-    saving = run.add_argument_group(
-        "checkpoints (single, dp, zero1-3, tp, sp, pp, 3d; any of them resumes any other's)"
-    )
+    saving = run.add_argument_group("checkpoints (every scheme; any of them resumes any other's)")
     saving.add_argument("--checkpoint-dir", metavar="D", help="save the training state as D/step-<n>")
     saving.add_argument("--checkpoint-every", type=_positive_int, metavar="K", help="after every K-th step")
     saving.add_argument(
         "--resume", metavar="D", help="load a checkpoint (D/step-<n>, or the newest in D) and train the steps left"
+    )
+    saving.add_argument(
+        "--checkpoint-async", action="store_true", help="write each checkpoint in the background as training goes on"
+    )
+    saving.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume from the newest checkpoint in --checkpoint-dir if there is one, else start at step 0 "
+        "(a job that restarts itself: torchrun --max-restarts)",
     )
     run.set_defaults(func=cmd_run)
 

@@ -59,6 +59,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def torchrun_restart() -> int:
+    """Which attempt of a torchrun job this is: 0 for the first, n after n restarts (``--max-restarts``); 0
+    outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if under_torchrun() else 0
+
+
 def warm() -> None:
     """Start the server now, in the background, so that the first launch does not wait for its imports. A no-op
     inside a rank or any other child process, and under torchrun (whose ranks run in place)."""

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, trace
-from course_lib.forkserver import RANK_NAME, context, under_torchrun
+from course_lib.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
 
 STATUS_TEXT_BYTES = 200
 POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
@@ -276,7 +276,7 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
         is_master=not agent_hosts and rank == 0,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"course_lib/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"course_lib/attempt-{torchrun_restart()}", store)
 
 
 def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:

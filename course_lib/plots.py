@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
+from course_lib import checkpoint
 from course_lib.comm import CommRecord, summarize
 from course_lib.memory import CATEGORIES, model_state_formula
 from course_lib.mesh import name_of
@@ -287,6 +288,61 @@ def plot_ring_attention(
         fontsize=8,
     )
     fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_checkpoint_timeline(runs: dict[str, SchemeRun], rank: int = 0) -> plt.Figure:
+    """One panel per run (``{label: run with checkpoints}``), on rank ``rank``'s wall clock from its first step:
+    its training steps and the time training stood still for a checkpoint (copying the state, writing it, or
+    waiting for a write still under way) on one lane, and the checkpoint being written on another; the title gives
+    the run's total stall. A synchronous save stalls for the whole write; an asynchronous one only to copy, then
+    writes beside training (:class:`course_lib.checkpoint.Saver`)."""
+    panels = {}
+    for label, run in runs.items():
+        steps = _step_spans([run.result.events[rank]])
+        zero = min(a for a, _ in steps.values())
+        saves = [
+            {k: [x - zero for x in v] if isinstance(v, list) else v for k, v in t.items()}
+            for t in run.report["checkpoints"]["saves"][rank]
+        ]
+        panels[label] = ({step: (a - zero, b - zero) for step, (a, b) in steps.items()}, saves)
+    end = max(
+        max(max(b for _, b in steps.values()), *(t["write"][1] for t in saves)) for steps, saves in panels.values()
+    )
+    scale, unit = time_unit(end)
+    colors = {"step": KIND_COLORS["forward"], "stall": "#C44E52", "write": "#55A868"}
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(9, 1.7 * len(runs) + 0.9), layout="constrained", squeeze=False, sharex=True
+    )
+    for ax, (label, (steps, saves)) in zip(axes[:, 0], panels.items(), strict=True):
+        for step, (a, b) in steps.items():
+            ax.broken_barh([(a * scale, (b - a) * scale)], (1.1, 0.8), facecolor=colors["step"], edgecolor="white")
+            ax.text((a + b) / 2 * scale, 1.5, str(step), ha="center", va="center", color="white", fontsize=7)
+        stalled = 0.0
+        for t in saves:
+            for a, b in checkpoint.stalls(t):
+                ax.broken_barh([(a * scale, (b - a) * scale)], (1.1, 0.8), facecolor=colors["stall"])
+                stalled += b - a
+            a, b = t["write"]
+            ax.broken_barh([(a * scale, (b - a) * scale)], (0.1, 0.8), facecolor=colors["write"], edgecolor="white")
+            ax.text(a * scale, 0.02, f"step-{t['step']}", ha="left", va="top", fontsize=7)
+        ax.set_yticks([0.5, 1.5], ["checkpoint\nwrite", "training"], fontsize=8)
+        ax.set_ylim(-0.4, 2)
+        ax.set_title(
+            f"{label}: {max(b for _, b in steps.values()) * scale:.3g} {unit} for {len(steps)} steps, "
+            f"of which training stood still {stalled * scale:.3g} {unit} for checkpoints",
+            fontsize=9,
+        )
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].set_xlim(0, end * scale * 1.01)
+    axes[-1, 0].set_xlabel(f"wall clock on rank {rank} since its first step ({unit})")
+    names = [
+        "a training step (its number)",
+        "training stalled by a checkpoint",
+        "checkpoint being written (its folder)",
+    ]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0, 0].legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
 
 

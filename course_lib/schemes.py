@@ -125,6 +125,7 @@ def run_scheme(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: str | None = None,
+    checkpoint_async: bool = False,
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
@@ -141,7 +142,9 @@ def run_scheme(
     K-th step; ``resume`` (a checkpoint folder, or a folder of them: the newest) loads one before the first step,
     saved by any checkpointing scheme on any number of ranks (:mod:`course_lib.checkpoint`), and trains the steps
     left. The report's ``losses`` and ``reference_losses`` are then those of the steps that ran, from
-    ``first_step``; the parameters are compared at the end, as always."""
+    ``first_step``; the parameters are compared at the end, as always. ``checkpoint_async`` writes each checkpoint
+    in the background while training goes on (:class:`course_lib.checkpoint.Saver`); the report's
+    ``checkpoints["saves"]`` holds each rank's timings of its saves, on the run's clock."""
     spec = validate(scheme, world_size, cfg, train, options)
     settings = spec.settings(options)
     profile = get_profile(hardware) if hardware is not None else None
@@ -158,6 +161,7 @@ def run_scheme(
         checkpoint_dir,
         checkpoint_every,
         resume,
+        checkpoint_async,
     )
     start = plan.start if plan is not None else 0
     if plan is not None:
@@ -174,6 +178,11 @@ def run_scheme(
             raise ValueError(
                 f"a fault in the checkpoint phase fires in a step that saves one, and step {fault.step} does not: "
                 f"pass checkpoint_every=K with (step + 1) divisible by K"
+            )
+        if fault.phase == "checkpoint" and fault.kind == "hang" and checkpoint_async:
+            raise ValueError(
+                "a hang in the checkpoint phase of an asynchronous checkpoint would stop only the thread that writes "
+                "it, not the rank; hang a synchronous checkpoint, or another phase"
             )
         rank_fn = injected(rank_fn, fault)
     if in_process:
@@ -238,7 +247,12 @@ def run_scheme(
         saved = checkpoint.read_meta(plan.resume)
         report["resumed_from"] = {"path": plan.resume, "scheme": saved["scheme"], "world_size": saved["world_size"]}
     if plan is not None and plan.directory is not None:
-        report["checkpoints"] = {"directory": plan.directory, "every": plan.every}
+        report["checkpoints"] = {
+            "directory": plan.directory,
+            "every": plan.every,
+            "asynchronous": plan.asynchronous,
+            "saves": [value.get("checkpoint_saves", []) for value in result],
+        }
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
     if spec.describe is not None:

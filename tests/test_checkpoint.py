@@ -4,6 +4,10 @@ a crash while saving leaves the previous checkpoint intact; bad resumes are refu
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -217,10 +221,15 @@ def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start, monkey
         )
 
 
-def test_cli_saves_and_resumes(tmp_path, capsys):
+@pytest.mark.parametrize("how", [[], ["--checkpoint-async"]], ids=["synchronous", "asynchronous"])
+def test_cli_saves_and_resumes(how, tmp_path, capsys):
     common = ["run", "zero3", "--world-size", "2", "--steps", "4", "--dtype", "float64", "--layers", "1"]
-    assert main([*common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", "--json", "-"]) == 0
+    assert main([*common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", *how]) == 0
+    said = capsys.readouterr().out
+    assert ("written in the background" if how else "written while training waits") in said
+    assert main([*common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", *how, "--json", "-"]) == 0
     full = json.loads(capsys.readouterr().out)
+    assert full["checkpoints"]["asynchronous"] == bool(how)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
     assert main([*common, "--resume", str(tmp_path / "step-2"), "--json", "-"]) == 0
     resumed = json.loads(capsys.readouterr().out)
@@ -237,3 +246,158 @@ def test_pipeline_stages_save_each_parameter_once(p, chunks):
     saved = [h.name for stages in layout for h in Stages(stages.values()).checkpoint_holdings() if h.save]
     trainable = [name for name, q in TinyGPT(CFG).named_parameters() if q.requires_grad]
     assert sorted(saved) == sorted(trainable)
+
+
+# ------------------------------------------------------------------------------------------------ asynchronous saves
+SIX = TrainConfig(steps=6, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def six_steps():
+    """zero3 on 2 ranks for 6 steps without checkpoints."""
+    return run_scheme("zero3", 2, CFG, SIX)
+
+
+def saved_in_background(scheme: str, folder, **kwargs):
+    """``scheme`` on 2 ranks for 6 steps, a checkpoint every 2 written in the background."""
+    return run_scheme(scheme, 2, CFG, SIX, checkpoint_dir=folder, checkpoint_every=2, checkpoint_async=True, **kwargs)
+
+
+def test_asynchronous_checkpoints_change_nothing_and_resume_bitwise(six_steps, tmp_path):
+    """Written in the background while the next steps change the parameters, each checkpoint still holds the state
+    of its own step: resumed from either, the run continues bit for bit."""
+    run = saved_in_background("zero3", tmp_path)
+    assert run.report["losses"] == six_steps.report["losses"]
+    saves = run.report["checkpoints"]["saves"]
+    assert run.report["checkpoints"]["asynchronous"] and len(saves) == 2
+    for rank_saves in saves:
+        assert [t["step"] for t in rank_saves] == [2, 4, 6]
+        for t in rank_saves:  # the copy, then the write beside training, then the wait for its end
+            assert t["stall"][0] <= t["write"][0] <= t["stall"][1] <= t["wait"][0] <= t["wait"][1]
+            assert t["write"][0] < t["write"][1] <= t["wait"][1]
+    for step in (2, 4):
+        resumed = run_scheme("zero3", 2, CFG, SIX, resume=tmp_path / f"step-{step}")
+        assert resumed.report["losses"] == six_steps.report["losses"][step:]
+        assert bitwise_equal(params(resumed), params(six_steps))
+
+
+class SlowPieces(checkpoint.Pieces):
+    """A rank's live pieces whose write waits 20 ms per piece: the background write reads them while later steps
+    change them."""
+
+    def piece(self, index):
+        time.sleep(0.02)
+        return super().piece(index)
+
+
+def unstaged_state(model, optimizer, staged: bool) -> dict:
+    """The state to save without the copy to host memory: live, slowly read pieces."""
+    state = REAL_STATE(model, optimizer, staged=False)
+    for key, value in state.items():
+        if isinstance(value, checkpoint.Pieces):
+            state[key] = SlowPieces(value.shape)
+            state[key].pieces = value.pieces
+    return state
+
+
+REAL_STATE = checkpoint._state_to_save
+
+
+def test_without_the_copy_an_asynchronous_checkpoint_would_hold_a_later_state(six_steps, tmp_path):
+    """The test above can fail: written from the live tensors, the checkpoint of step 2 mixes in later steps."""
+    patch = ("course_lib.checkpoint", "_state_to_save", unstaged_state)
+    saved_in_background("zero3", tmp_path, patch=patch)
+    resumed = run_scheme("zero3", 2, CFG, SIX, resume=tmp_path / "step-2")
+    assert resumed.report["losses"][0] != six_steps.report["losses"][2]
+
+
+def test_a_killed_run_with_asynchronous_checkpoints_resumes_bitwise(six_steps, tmp_path):
+    """Rank 1 dies in step 5: the save after step 3 waited for step-2 to be in place, step-4 may still have been
+    writing; the newest complete checkpoint continues the run bit for bit."""
+    with pytest.raises(RankError, match="rank 1 of 2 was killed by signal SIGKILL during step 5"):
+        saved_in_background("zero3", tmp_path, fault=Fault(1, 5, "kill"))
+    newest = checkpoint.find(tmp_path)
+    assert newest.name in ("step-2", "step-4") and (tmp_path / "step-2" / checkpoint.META).is_file()
+    resumed = run_scheme("zero3", 2, CFG, SIX, resume=tmp_path)
+    step = resumed.report["first_step"]
+    assert resumed.report["losses"] == six_steps.report["losses"][step:]
+    assert bitwise_equal(params(resumed), params(six_steps))
+
+
+def test_a_rank_killed_while_its_background_write_ends_leaves_the_previous_checkpoint(tmp_path):
+    """A fault in the checkpoint phase fires in the writer thread, after the shards and before the rename."""
+    with pytest.raises(RankError, match="rank 0 of 2 was killed by signal SIGKILL"):
+        saved_in_background("zero3", tmp_path, fault=Fault(0, 3, "kill", "checkpoint"))
+    assert (tmp_path / ".step-4.partial" / ".metadata").is_file()
+    assert checkpoint.find(tmp_path) == tmp_path / "step-2"
+
+
+def test_asynchronous_checkpoint_settings_that_cannot_work_are_refused(tmp_path, nothing_may_start):
+    with pytest.raises(ValueError, match="asynchronous checkpoints need checkpoints"):
+        run_scheme("dp", 2, CFG, TRAIN, checkpoint_async=True)
+    with pytest.raises(ValueError, match="would stop only the thread that writes it"):
+        saved_in_background("dp", tmp_path, fault=Fault(0, 1, "hang", "checkpoint"))
+
+
+# ------------------------------------------------------------------------------------------------ torchrun restarts
+def test_torchrun_restarts_the_job_from_its_last_checkpoint(tmp_path, capsys):
+    """The elastic route: torchrun --max-restarts 1 starts the job again after rank 1 is killed in step 3; the
+    restarted job finds step-2 (--auto-resume) and finishes bit for bit as the uninterrupted run."""
+    common = ["--world-size", "2", "--steps", "4", "--dtype", "float64", "--layers", "1"]
+    assert main(["run", "zero3", *common, "--json", "-"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    folder, out = tmp_path / "ckpt", tmp_path / "restarted.json"
+    done = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "course_lib",
+            "run",
+            "zero3",
+            *common,
+            "--checkpoint-dir",
+            str(folder),
+            "--checkpoint-every",
+            "2",
+            "--auto-resume",
+            "--kill-rank",
+            "1",
+            "--at-step",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exitcode: -9" in done.stderr  # torchrun saw rank 1 die by SIGKILL
+    assert (
+        "torchrun restart 1: the injected fault (rank 1 at step 3 (forward)) fired in the first attempt" in done.stdout
+    )
+    restarted = json.loads(out.read_text())
+    assert restarted["resumed_from"]["path"] == str(folder / "step-2") and restarted["first_step"] == 2
+    assert restarted["losses"] == full["losses"][2:]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
+    assert not left, "a process of the job outlived it"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_auto_resume_needs_the_checkpoint_folder(capsys):
+    with pytest.raises(SystemExit, match="--auto-resume resumes from the newest checkpoint in --checkpoint-dir D"):
+        main(["run", "dp", "--world-size", "2", "--auto-resume"])

@@ -214,3 +214,39 @@ def test_schedule_explorer_redraws_with_its_bubble(capsys):
     assert "interleaved, p=4, m=4, v=2" in plt.gcf().axes[0].get_title()
     controls["microbatches m"].value = 3  # interleaving needs a multiple of p: said, not raised
     assert "3 microbatches is fewer than 4" in capsys.readouterr().out
+
+
+def test_the_checkpoint_timeline_draws_each_stall_and_write_and_sums_the_stalls(tmp_path):
+    from course_lib.plots import plot_checkpoint_timeline
+
+    runs = {
+        label: run_scheme(
+            "dp",
+            2,
+            train=TrainConfig(steps=4),
+            checkpoint_dir=tmp_path / label,
+            checkpoint_every=2,
+            checkpoint_async=label == "asynchronous",
+        )
+        for label in ("synchronous", "asynchronous")
+    }
+    fig = plot_checkpoint_timeline(runs)
+    assert fits(fig)
+    axes = fig.axes
+    unit = axes[1].get_xlabel().rsplit("(", 1)[1].rstrip(")")  # ms, or s on a busy machine
+    assert len(axes) == 2 and axes[1].get_xlabel() == f"wall clock on rank 0 since its first step ({unit})"
+    factor = {"s": 1.0, "ms": 1e3}[unit]
+    assert legend_labels(axes[0]) == [
+        "a training step (its number)",
+        "training stalled by a checkpoint",
+        "checkpoint being written (its folder)",
+    ]
+    for ax, (label, run) in zip(axes, runs.items(), strict=True):
+        saves = run.report["checkpoints"]["saves"][0]
+        stall = sum(b - a for t in saves for a, b in [t["stall"], *([t["wait"]] if "wait" in t else [])])
+        widths = {}
+        for bars in ax.collections:  # one broken_barh per bar: the steps, the stalls, the writes
+            widths.setdefault(to_hex(bars.get_facecolor()[0]), []).append(bars.get_paths()[0].get_extents().width)
+        assert len(widths["#55a868"]) == len(saves) == 2  # one write per checkpoint
+        assert sum(widths["#c44e52"]) == pytest.approx(stall * factor)
+        assert ax.get_title().startswith(f"{label}: ") and f"stood still {stall * factor:.3g} {unit}" in ax.get_title()

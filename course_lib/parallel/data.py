@@ -313,7 +313,9 @@ def train_loop(
     checkpoint_every=, resume=)``): a resume loads the model's and optimizer's state before the first step and
     trains ``range(start, steps)``, ``start`` being the checkpoint's step (the data is a function of the step, so
     that is the data position); after step k's optimizer step the state is saved if the plan says so ((k+1) % K
-    == 0), outside the step's tags and memory meter. ``losses`` are those of the steps that ran.
+    == 0), outside the step's tags and memory meter, by a :class:`course_lib.checkpoint.Saver` (in the background
+    with an asynchronous plan), whose ``timings`` the report carries as ``checkpoint_saves``. ``losses`` are those
+    of the steps that ran.
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
@@ -321,6 +323,7 @@ def train_loop(
     device, optimizer = launch.rank_device(), strategy.optimizer
     losses, plan = [], checkpoint.active()
     start = checkpoint.load(plan.resume, strategy.model, optimizer) if plan and plan.resume else 0
+    saver = checkpoint.Saver(plan, strategy.model, optimizer) if plan and plan.directory else None
     for step in range(start, train.steps):
         tokens, targets = (batch_shard(t, rank, n) for t in synthetic_tokens(step, train.batch, cfg, train.seed))
         metered = measure_memory and step == train.steps - 1  # the reported step
@@ -337,9 +340,13 @@ def train_loop(
                 optimizer.step()
                 strategy.zero_grad()
             launch.sync(device)
-        if plan is not None and plan.due(step):
-            checkpoint.save(plan, step + 1, strategy.model, optimizer)
-    return {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
+        if saver is not None:
+            saver.after_step(step)
+    report = {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
+    if saver is not None:
+        saver.finish()
+        report["checkpoint_saves"] = saver.timings
+    return report
 
 
 def train_data_parallel(

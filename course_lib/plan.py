@@ -106,6 +106,10 @@ class Model:
     source: str = ""
     kv_heads: int | None = None  # grouped-query attention's K/V heads (what a CP ring passes); None: heads
     experts: Experts | None = None
+    vocab: int | None = None  # the embedding's rows (None: unknown, a nominal model)
+    ffn: int | None = None  # a dense layer's MLP width (None: 4 x hidden)
+    swiglu: bool = False  # a gated MLP, three ffn x h matrices (Shazeer 2020), instead of GELU's two
+    tied: bool = True  # the output head shares the input embedding's weights
 
     @property
     def moe_layers(self) -> int:
@@ -168,6 +172,14 @@ def moe_params(
 
 _LLAMA3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; 8192-token pretraining sequences"
 _GPT3 = "Brown et al. 2020, Table 2.1 (dims, vocabulary 50257)"
+
+
+def _llama_dims(ffn: int) -> dict:
+    """What the Llama 3 models share beyond their sizes: 8 K/V heads, a 128,256-token vocabulary, a SwiGLU MLP
+    ``ffn`` wide and untied embeddings (Grattafiori et al. 2024, Table 3; the released checkpoints)."""
+    return {"kv_heads": 8, "vocab": 128256, "ffn": ffn, "swiglu": True, "tied": False}
+
+
 _LLAMA3_405B = Model(
     "llama3-405b",
     llama_params(126, 16384, 128, 8, 53248, 128256),
@@ -178,17 +190,31 @@ _LLAMA3_405B = Model(
     global_batch=2048,
     published={"tp": 8, "pp": 16, "dp": 128},
     source=_LLAMA3 + "; Table 4: on 16,384 H100s TP 8, CP 1, PP 16, DP 128, 16M tokens (2048 sequences) a batch",
-    kv_heads=8,
+    **_llama_dims(53248),
 )
 _DEEPSEEK_V3 = Experts(routed=256, top_k=8, ffn=2048, shared=1, dense_layers=3)
 _DEEPSEEK_V3_ATTENTION = mla_params(7168, 128, 128, 64, 1536, 512)
 _MIXTRAL = Experts(routed=8, top_k=2, ffn=16384)
 PRESETS = {
     "llama3-8b": Model(
-        "llama3-8b", llama_params(32, 4096, 32, 8, 14336, 128256), 32, 4096, 32, 8192, source=_LLAMA3, kv_heads=8
+        "llama3-8b",
+        llama_params(32, 4096, 32, 8, 14336, 128256),
+        32,
+        4096,
+        32,
+        8192,
+        source=_LLAMA3,
+        **_llama_dims(14336),
     ),
     "llama3-70b": Model(
-        "llama3-70b", llama_params(80, 8192, 64, 8, 28672, 128256), 80, 8192, 64, 8192, source=_LLAMA3, kv_heads=8
+        "llama3-70b",
+        llama_params(80, 8192, 64, 8, 28672, 128256),
+        80,
+        8192,
+        64,
+        8192,
+        source=_LLAMA3,
+        **_llama_dims(28672),
     ),
     "llama3-405b": _LLAMA3_405B,
     "llama3-405b-128k": replace(
@@ -210,6 +236,7 @@ PRESETS = {
         2048,
         global_batch=1536,
         source=_GPT3 + "; the batch of 1536 sequences is the one Narayanan et al. 2021 use for GPT-3-sized runs",
+        vocab=50257,
     ),
     "megatron-1t": Model(
         "megatron-1t",
@@ -222,6 +249,7 @@ PRESETS = {
         published={"tp": 8, "pp": 64, "dp": 6},
         source="Narayanan et al. 2021, Table 1: 1008B parameters, 128 layers, hidden 25600, 160 heads, on 3072 "
         "A100s TP 8, PP 64 (DP 6), batch 3072",
+        vocab=51200,
     ),
     "deepseek-v3": Model(
         "deepseek-v3",
@@ -241,6 +269,10 @@ PRESETS = {
         "being DeepSeek's DP 2. The multi-token-prediction module (14B, §2.2) is not counted",
         kv_heads=128,
         experts=_DEEPSEEK_V3,
+        vocab=129280,
+        ffn=18432,
+        swiglu=True,
+        tied=False,
     ),
     "mixtral-8x22b": Model(
         "mixtral-8x22b",
@@ -257,6 +289,9 @@ PRESETS = {
         "PP 4 x TP 4 (128 GPUs, EP 8 carved out of DP 8) is the course lecture's claim, not Mistral's",
         kv_heads=8,
         experts=_MIXTRAL,
+        vocab=32768,
+        swiglu=True,
+        tied=False,
     ),
 }
 
@@ -294,7 +329,7 @@ def make_model(
         raise ValueError("give a preset, the parameter count, or the dims: layers, hidden, heads (and vocab)")
     seq = seq or DEFAULT_SEQ
     params = params if params is not None else params_from_dims(layers, hidden, vocab, seq)
-    return Model(f"custom-{params / 1e9:.3g}b", params, layers, hidden, heads, seq)
+    return Model(f"custom-{params / 1e9:.3g}b", params, layers, hidden, heads, seq, vocab=vocab)
 
 
 @dataclass

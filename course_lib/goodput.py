@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from course_lib.memory import model_state_formula
+from course_lib.memory import model_state_formula, stage_shape
 from course_lib.plan import Layout, Model, describe, make_model, plan, published_candidate, published_gpus
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -318,9 +318,10 @@ def checkpoint_bytes_per_rank(
     """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.plan.Model` or preset name) laid out
     as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a :class:`~course_lib.plan.Layout`,
     a planner's candidate or plan), from :func:`course_lib.memory.model_state_formula`: the parameters and the
-    optimizer states (for mixed precision the fp32 master weights and both moments) that the rank holds, i.e.
-    TP x PP's share, the ZeRO stage's shard over the data-parallel ranks, whole experts split by EP. Not
-    gradients (recomputed by the next step) nor activations.
+    optimizer states (for mixed precision the fp32 master weights and both moments) that the busiest rank holds,
+    i.e. its stage's share of the layers (and, with a known vocabulary, one embedding matrix) over TP, the ZeRO
+    stage's shard over the data-parallel ranks, whole experts split by EP. Not gradients (recomputed by the next
+    step) nor activations.
 
     ``deduplicate``: what the rank writes when each replicated tensor is written by only one of its replicas and
     the writes are spread evenly (``torch.distributed.checkpoint`` deduplicates replicas; Megatron's fully
@@ -328,8 +329,10 @@ def checkpoint_bytes_per_rank(
     state were sharded (ZeRO-3) over the replicas."""
     m = make_model(preset=model) if isinstance(model, str) else model
     zero = 3 if deduplicate else layout.zero
+    # deduplicated, every rank writes an even share; else the busiest rank's (its stage's embedding included)
+    where = {} if deduplicate or not m.vocab else stage_shape(m.vocab, m.hidden, m.layers, m.tied, m.norm)
     states = model_state_formula(
-        m.params, precision, zero, layout.dp, layout.tp, layout.pp, m.expert_params, layout.ep, layout.cp
+        m.params, precision, zero, layout.dp, layout.tp, layout.pp, m.expert_params, layout.ep, layout.cp, **where
     )
     return {
         "params": states["params"],

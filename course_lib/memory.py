@@ -10,11 +10,14 @@ Measured (:class:`MemoryMeter`), deduplicated by storage so a tied or viewed ten
   creates and a weak reference that sees it freed (on CPU there are no allocator statistics; on CUDA the
   allocator's own ``max_memory_allocated`` is reported beside it as ``cuda_peak``).
 
-Predicted: bytes per parameter (fp32 Adam 4+4+8 = 16; mixed precision 2+2+12 = 16), divided by ZeRO stage over D
-data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3) and by tensor and pipeline parallel degrees (routed experts
-by expert and pipeline parallel degrees, ZeRO over the expert-data-parallel group), and activation bytes per
-transformer layer (Korthikanti et al. 2022, §4, Table 2; split by context parallelism), plus the exact count for our
-tiny GPT.
+Predicted: bytes per parameter under a named convention (:data:`PRECISIONS`: ZeRO's 16 = 2 + 2 + 12 for mixed
+precision, Megatron-LM's 18 with fp32 gradients, DeepSpeed's, 12 without a master copy, fp32's 16), divided by
+ZeRO stage over D data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3) and by tensor and pipeline parallel
+degrees, the busiest pipeline stage holding one embedding matrix beside its layers (routed experts by expert and
+pipeline parallel degrees, ZeRO over the expert-data-parallel group; ZeRO-3 keeping its largest gathered layer),
+and activation bytes per transformer layer (Korthikanti et al. 2022, §4, Table 2, with FlashAttention by default,
+grouped-query attention and SwiGLU; split by context parallelism) and outside the layers, plus the exact count for
+our tiny GPT. ``tests/test_memory_references.py`` compares them with Megatron-LM's and DeepSpeed's estimators.
 """
 
 from __future__ import annotations
@@ -31,14 +34,83 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     from course_lib.models import GPTConfig
 
-BYTES_PER_PARAM = {
-    # fp32 Adam: fp32 weights, fp32 grads, fp32 first and second moments.
-    "fp32": {"params": 4, "grads": 4, "optimizer": 8},
-    # The course's float64 runs (equivalence at 1e-10): every state twice as wide.
-    "fp64": {"params": 8, "grads": 8, "optimizer": 16},
-    # Mixed precision Adam (ZeRO §3.1): fp16/bf16 weights and grads; fp32 master weights, momentum and variance.
-    "mixed": {"params": 2, "grads": 2, "optimizer": 12},
+
+@dataclass(frozen=True)
+class Precision:
+    """What a parameter costs in bytes, by what holds it: the weights forward and backward use (``params``), the
+    gradients kept until the optimizer step (``grads``), an fp32 copy of the weights the optimizer updates
+    (``master``, 0 without one) and Adam's two moments (``moments``). ``zero3_grads``: the gradient bytes that stay
+    per parameter under ZeRO-3, where a layer's 16-bit gradient is reduce-scattered as soon as backward makes it
+    (None: ``grads``)."""
+
+    name: str
+    params: int
+    grads: int
+    master: int
+    moments: int
+    zero3_grads: int | None = None
+    source: str = ""
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.moments
+
+    def bytes(self, zero: int = 0) -> dict[str, int]:
+        """Bytes per parameter by category (``params``, ``grads``, ``optimizer``) at ZeRO stage ``zero``."""
+        grads = self.zero3_grads if zero == 3 and self.zero3_grads is not None else self.grads
+        return {"params": self.params, "grads": grads, "optimizer": self.optimizer}
+
+
+# The conventions the field uses; each names who counts that way. "mixed" is the course's name for ZeRO's.
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp32", 4, 4, 0, 8, source="fp32 Adam: fp32 weights, gradients, both moments"),
+        Precision("fp64", 8, 8, 0, 16, source="the course's float64 runs (equivalence at 1e-10): all twice fp32"),
+        Precision(
+            "mixed",
+            2,
+            2,
+            4,
+            8,
+            source="ZeRO (Rajbhandari et al. 2020, §3.1): 16-bit weights and gradients, fp32 "
+            "master weights and moments: 16 bytes",
+        ),
+        Precision("zero", 2, 2, 4, 8, source="the same as mixed, under the paper's name: 2 + 2 + 12 = 16 bytes"),
+        Precision(
+            "megatron",
+            2,
+            4,
+            4,
+            8,
+            source="Megatron-LM (theoretical_memory_usage.py, dist_optimizer.md): bf16 "
+            "weights, fp32 main gradients, fp32 master and moments: 18 bytes; its distributed optimizer shards "
+            "master and moments over DP (our ZeRO-1): 6 + 12/d",
+        ),
+        Precision(
+            "deepspeed",
+            2,
+            6,
+            4,
+            8,
+            zero3_grads=4,
+            source="DeepSpeed's ZeRO estimators "
+            "(estimate_zero2/3_model_states_mem_needs): fp16 weights, fp16 and fp32 gradients, fp32 master and "
+            "moments; ZeRO-2 2 + 18/N, ZeRO-3 18/N plus the gathered largest layer (its fp16 gradient is "
+            "reduce-scattered at once, only the fp32 one stays)",
+        ),
+        Precision(
+            "no-master",
+            2,
+            2,
+            0,
+            8,
+            source="16-bit weights and gradients, fp32 moments, no master copy: 12 bytes "
+            "(what a count that forgets the master copy gives)",
+        ),
+    )
 }
+BYTES_PER_PARAM = {name: p.bytes() for name, p in PRECISIONS.items()}  # at ZeRO 0, by category
 CATEGORIES = ("params", "grads", "optimizer")
 
 
@@ -235,9 +307,50 @@ class _SavedRef:
 
 
 # ------------------------------------------------------------------------------------------------ formulas
+def precision_of(precision: str | Precision) -> Precision:
+    """A :class:`Precision`, or the convention of that name (:data:`PRECISIONS`)."""
+    if isinstance(precision, Precision):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
+    return PRECISIONS[precision]
+
+
+def stage_params(
+    dense: float, pp: int, embedding: float = 0.0, tied: bool = True, replicated: float = 0.0
+) -> tuple[float, float]:
+    """Dense parameters on the pipeline stage that holds the most: (those tensor parallelism splits, those every
+    TP rank keeps whole). The stages share the layers evenly, ``replicated`` ones (LayerNorm weights) among them;
+    the first stage also holds the input embedding (``embedding`` = V x h) and the last the output head, its own
+    matrix when untied or a copy of the embedding when tied (Megatron-LM keeps one to sum their gradients), so with
+    ``pp`` > 1 the busiest stage holds its share of the layers plus one V x h matrix, and with ``pp`` = 1 the one
+    stage holds both matrices when untied. Megatron-LM's ``theoretical_memory_usage.py`` counts the most loaded
+    shard so; for a large vocabulary it is well above an even split (Llama-3-8B at PP 4: 2.27B against 2.01B)."""
+    matrices = 1 if tied else 2
+    layers = dense - matrices * embedding - replicated
+    if layers < 0:
+        raise ValueError(
+            f"the embeddings ({matrices} x {embedding:g}) and replicated weights ({replicated:g}) are more than the "
+            f"{dense:g} dense parameters: check the vocabulary and the parameter count"
+        )
+    if pp == 1:
+        return layers + matrices * embedding, replicated
+    return layers / pp + embedding, replicated / pp
+
+
+def stage_shape(vocab: int, hidden: int, layers: int, tied: bool = True, norm: str = "layernorm") -> dict:
+    """:func:`model_state_formula`'s keywords for where the parameters sit (:func:`stage_params`): the V x h
+    embedding, tied or not, and the norm weights every TP rank keeps (two per layer and a final one)."""
+    return {
+        "embedding_params": vocab * hidden,
+        "tied": tied,
+        "replicated_params": (2 * layers + 1) * NORMS[norm] * hidden if layers else 0,
+    }
+
+
 def model_state_formula(
     params: float,
-    precision: str = "fp32",
+    precision: str | Precision = "fp32",
     zero: int = 0,
     dp: int = 1,
     tp: int = 1,
@@ -245,14 +358,27 @@ def model_state_formula(
     expert_params: float = 0.0,
     ep: int = 1,
     cp: int = 1,
+    *,
+    embedding_params: float = 0.0,
+    tied: bool = True,
+    replicated_params: float = 0.0,
+    largest_layer: float = 0.0,
 ) -> dict[str, float]:
-    """Predicted model-state bytes per device for ``params`` parameters, ``expert_params`` of them in routed experts.
+    """Predicted model-state bytes on the busiest device for ``params`` parameters, ``expert_params`` of them in
+    routed experts, at ``precision``'s bytes per parameter (:data:`PRECISIONS`: ``mixed``/``zero`` 16, ``megatron``
+    18, ``deepspeed``, ``no-master`` 12, ``fp32`` 16).
 
-    Dense parameters: tensor and pipeline parallelism split every tensor over ``tp * pp`` devices; ZeRO then
-    divides, over the ``dp * cp`` ranks that hold the same shard, the optimizer state (stage 1, P_os), also the
-    gradients (stage 2, P_os+g) and also the parameters (stage 3, P_os+g+p) — Rajbhandari et al. 2020, §5.1 and
-    Figure 1. Context-parallel ranks hold the same weights and average their gradients, so ZeRO shards over them
-    too (Megatron-core's distributed optimizer uses the data-parallel group *with* context parallelism).
+    Dense parameters: pipeline parallelism gives each stage its share of the layers, and the busiest stage one
+    V x h embedding matrix more (:func:`stage_params`, with ``embedding_params`` = V x h; 0: all spread evenly);
+    tensor parallelism splits them over ``tp`` ranks but for ``replicated_params`` (LayerNorm weights, which every
+    TP rank keeps). ZeRO then divides, over the ``dp * cp`` ranks that hold the same shard, the optimizer state
+    (stage 1, P_os; Megatron-LM's distributed optimizer), also the gradients (stage 2, P_os+g) and also the
+    parameters (stage 3, P_os+g+p) — Rajbhandari et al. 2020, §5.1 and Figure 1. Context-parallel ranks hold the
+    same weights and average their gradients, so ZeRO shards over them too (Megatron-core's distributed optimizer
+    uses the data-parallel group *with* context parallelism). ZeRO-3 must still gather one layer at a time, its
+    16-bit weights and then their gradients: ``largest_layer`` parameters (of a TP rank's shard), counted at the
+    weights' width in ``params`` and again in ``grads``, as DeepSpeed's ZeRO-3 estimator does (4 bytes per
+    parameter of the largest layer); without it ZeRO-3 would seem to shrink towards nothing.
 
     Routed experts (GShard, Lepikhin et al. 2021, §2.2; Switch Transformers, Fedus et al. 2022, §2.2): each of the
     ``ep`` expert-parallel ranks holds whole experts, ``1/ep`` of those of its stage's layers, not split by TP
@@ -262,8 +388,7 @@ def model_state_formula(
     MoE "parallel folding", Liu et al. 2025, §3; DeepSpeed-MoE's expert-data-parallel groups; DeepSeek-V3's 2,048
     GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2).
     """
-    if precision not in BYTES_PER_PARAM:
-        raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, not {precision!r}")
+    bytes_of = precision_of(precision)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
     for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
@@ -278,18 +403,23 @@ def model_state_formula(
             f"the expert-parallel group is carved out of a stage's tp x cp x dp = {tp * cp * dp} ranks: ep {ep} "
             f"does not divide it; choose an ep that does"
         )
-    dense = _sharded_states(params - expert_params, precision, zero, tp * pp, dp * cp)
-    if not expert_params:
-        return dense
-    experts = _sharded_states(expert_params, precision, zero, ep * pp, tp * cp * dp // ep)
-    return {cat: dense[cat] + experts[cat] for cat in CATEGORIES}
+    split, whole = stage_params(params - expert_params, pp, embedding_params, tied, replicated_params)
+    out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
+    if expert_params:
+        experts = _sharded_states(expert_params / (ep * pp), bytes_of, zero, tp * cp * dp // ep)
+        out = {cat: out[cat] + experts[cat] for cat in CATEGORIES}
+    if zero == 3 and dp * cp > 1:
+        gathered = bytes_of.params * largest_layer / tp
+        out["params"] += gathered
+        out["grads"] += gathered
+    return out
 
 
-def _sharded_states(params: float, precision: str, zero: int, split: int, zero_group: int) -> dict[str, float]:
-    """Bytes of ``params`` split ``split`` ways by model parallelism, then by the ZeRO stage over ``zero_group``."""
-    per_rank = params / split
+def _sharded_states(params: float, precision: Precision, zero: int, zero_group: int) -> dict[str, float]:
+    """Bytes of ``params`` parameters on a rank, by category, the ZeRO stage sharding over ``zero_group``."""
     sharded = {"optimizer": zero >= 1, "grads": zero >= 2, "params": zero >= 3}
-    return {cat: BYTES_PER_PARAM[precision][cat] * per_rank / (zero_group if sharded[cat] else 1) for cat in CATEGORIES}
+    per_param = precision.bytes(zero)
+    return {cat: per_param[cat] * params / (zero_group if sharded[cat] else 1) for cat in CATEGORIES}
 
 
 def adamw_state_bytes(element_size: int, trainable: int, frozen: int = 0, tensors: int = 0) -> dict[str, int]:
@@ -301,6 +431,8 @@ def adamw_state_bytes(element_size: int, trainable: int, frozen: int = 0, tensor
 
 
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "materialized")
+NORMS = {"layernorm": 2, "rmsnorm": 1}  # weights per hidden unit: LayerNorm's scale and bias, RMSNorm's scale
 
 
 def activation_bytes_per_layer(
@@ -313,32 +445,48 @@ def activation_bytes_per_layer(
     recompute: str = "none",
     ffn: float | None = None,
     cp: int = 1,
+    *,
+    kv_heads: int | None = None,
+    swiglu: bool = False,
+    attention: str = "flash",
 ) -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, §4, Table 2).
 
-    Assumes 16-bit activations, 1-byte dropout masks and attention that materialises the (heads, s, s) scores:
-    sbh(34 + 5as/h) with no parallelism; with tensor parallelism over t ranks only the parts inside the split
-    linears shrink, sbh(10 + 24/t + 5as/(ht)); sequence parallelism splits the rest too, sbh/t (34 + 5as/h).
-    Selective recompute drops the 5as/h attention term; full recompute keeps only the layer input, 2sbh.
+    16-bit activations and 1-byte dropout masks. Per token, in units of h bytes: the two LayerNorm inputs 4, the
+    attention's and the MLP's inputs 4, two dropout masks 2 (10 in all, which every TP rank keeps unless sequence
+    parallelism splits them); q 2, k and v 2 each (x kv_heads/heads with grouped-query attention), the output
+    projection's input 2; the MLP's inner activations, 2 bytes each ffn wide: GELU's input and output (4 ffn/h,
+    Korthikanti's 16 at ffn = 4h) or a fused SwiGLU's gate and up projections and their product (6 ffn/h). With
+    ``attention`` = ``materialized`` the (heads, s, s) softmax, its dropout mask and output add 5as/h, as
+    Korthikanti counts them: sbh(34 + 5as/h) per layer without parallelism. FlashAttention (Dao et al. 2022),
+    which every large run uses today, never stores the scores (only a logsumexp of heads x s floats, not counted),
+    so ``flash`` (the default) is Korthikanti's selective recompute for free.
 
-    ``ffn``: the MLP width a token's activations pass through, 4h by default. Of the 34, the MLP's two 4h-wide
-    intermediates are 16 (4 ffn / h; §4.1), split by TP; a mixture-of-experts layer's token passes through its
-    top-k routed experts and the shared ones, (top_k + shared) x expert FFN wide. (Not counted: the k copies of
-    its input the dispatch makes, and the router's logits, of order 2k and 2E/h sbh.)
+    Tensor parallelism over t ranks splits what lies between the split linears, sbh(10 + 24/t (+ 5as/(ht))) at
+    ffn = 4h; sequence parallelism splits the rest too, sbh/t (34 (+ 5as/h)). Selective recompute drops the 5as/h
+    term; full recompute keeps only the layer's input, 2sbh, split by sequence parallelism when it is on.
+
+    ``ffn``: the MLP width a token's activations pass through, 4h by default; a mixture-of-experts layer's token
+    passes through its top-k routed experts and the shared ones, (top_k + shared) x expert FFN wide. (Not counted:
+    the k copies of its input the dispatch makes, and the router's logits, of order 2k and 2E/h sbh.)
 
     Context parallelism over ``cp`` ranks gives each rank s/cp of the sequence, its queries against all the keys:
     everything divided by cp (Liu et al. 2023, ring attention, §3; Llama 3, Grattafiori et al. 2024, §3.3.2).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     if recompute == "full":
-        return 2 * s * b * h / cp
-    scores = 0 if recompute == "selective" else 5 * a * s / h
-    mlp = 16 if ffn is None else 4 * ffn / h
+        return 2 * s * b * h / ((t if sp else 1) * cp)
+    kv = (kv_heads or a) / a
+    inner = (6 if swiglu else 4) * (4 * h if ffn is None else ffn) / h
+    split = 4 + 4 * kv + inner
+    scores = 5 * a * s / h if attention == "materialized" and recompute == "none" else 0
     if sp:
-        return s * b * h / t * (18 + mlp + scores) / cp
-    return s * b * h * (10 + (8 + mlp) / t + scores / t) / cp
+        return s * b * h / t * (10 + split + scores) / cp
+    return s * b * h * (10 + (split + scores) / t) / cp
 
 
 def tiny_gpt_activation_bytes(
@@ -381,7 +529,7 @@ def tiny_gpt_activation_bytes(
 
 def memory_formula(
     params: float,
-    precision: str = "fp32",
+    precision: str | Precision = "fp32",
     zero: int = 0,
     dp: int = 1,
     tp: int = 1,
@@ -397,37 +545,141 @@ def memory_formula(
     ep: int = 1,
     cp: int = 1,
     ffn: float | None = None,
+    *,
+    vocab: int | None = None,
+    tied: bool = True,
+    kv_heads: int | None = None,
+    swiglu: bool = False,
+    attention: str = "flash",
+    norm: str = "layernorm",
+    chunks: int = 1,
+    largest_layer: float | None = None,
 ) -> dict[str, float]:
-    """Bytes per device: model states (:func:`model_state_formula`: dense and expert parameters, ``ep``, ``cp``)
-    and, when the dims are given, activations (:func:`activation_bytes_per_layer`, ``ffn`` wide, split ``cp``
-    ways).
+    """Bytes on the busiest device: model states (:func:`model_state_formula`) and, when the dims are given,
+    activations (:func:`activation_bytes_per_layer`, ``ffn`` wide, split ``cp`` ways), and ``stage``, which
+    pipeline stage that is (``first``, ``last``, or ``all`` without a pipeline).
+
+    With the ``vocab`` and ``hidden`` known, the busiest stage holds one V x h embedding matrix beside its layers
+    (two on a single stage when untied), every TP rank keeps the ``norm`` weights whole (LayerNorm 2h, RMSNorm h, two
+    per layer and a final one), and ZeRO-3's floor is the largest layer: the embedding or an MLP matrix
+    (``largest_layer`` to give it).
 
     Activations: with a 1F1B pipeline the first stage keeps ``pp`` microbatches of its ``layers/pp`` layers in
-    flight, which is one microbatch of all ``layers`` (Korthikanti et al. 2022, §4.2.3).
+    flight, which is one microbatch of all ``layers`` (Korthikanti et al. 2022, §4.2.3), and with the interleaved
+    schedule over ``chunks`` model chunks per stage 1 + (pp-1)/(pp x chunks) times that (Megatron-LM's
+    ``theoretical_memory_usage.py``). Outside the layers the first stage keeps, per microbatch in flight, the token
+    ids (8 bytes each) and the embedding's dropout mask (sbh bytes); the stage with the output head keeps, for its
+    one microbatch, the head's input and the fp32 logits of the cross-entropy, 4sbh + 4sbV bytes (Megatron's
+    count), all split by TP under sequence parallelism. The last stage (its layers for one microbatch and the
+    logits) is the busiest when the vocabulary is large enough.
     """
-    out = model_state_formula(params, precision, zero, dp, tp, pp, expert_params, ep, cp)
     dims = (layers, seq, hidden, heads)
     if any(d is not None for d in dims) and any(d is None for d in dims):
         raise ValueError("activations need all of layers, seq, hidden and heads (or none of them)")
     if heads is not None and heads % tp:
         raise ValueError(f"tensor parallelism splits attention by heads: tp {tp} does not divide {heads} heads")
+    if kv_heads is not None and heads is not None and (heads % kv_heads or kv_heads % tp and tp % kv_heads):
+        raise ValueError(
+            f"{kv_heads} K/V heads must divide the {heads} heads, and tp {tp} must divide them or be a multiple "
+            f"of them (each TP rank holds whole K/V heads, or a copy)"
+        )
     if seq is not None and cp > 1 and seq % (2 * cp):
         raise ValueError(
             f"context parallelism cuts the sequence into 2 x cp = {2 * cp} chunks (rank r holds chunks r and "
             f"2cp-1-r, for causal balance): seq {seq} is not a multiple of {2 * cp}; change seq or cp"
         )
-    out["activations"] = (
-        layers * activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sp, recompute, ffn, cp)
-        if layers
-        else 0.0
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {sorted(NORMS)}, not {norm!r}")
+    if chunks < 1 or (chunks > 1 and pp == 1):
+        raise ValueError("chunks (model chunks per pipeline stage) must be at least 1, and 1 without a pipeline")
+    if layers is not None and chunks > 1 and layers % (pp * chunks):
+        raise ValueError(
+            f"the interleaved schedule gives each of pp x chunks = {pp * chunks} model chunks the same layers: "
+            f"{layers} layers do not split so; choose chunks dividing layers / pp"
+        )
+    shape = {}
+    if vocab is not None and hidden is not None:
+        shape = stage_shape(vocab, hidden, layers or 0, tied, norm)
+        if largest_layer is None:
+            largest_layer = max(vocab * hidden, hidden * (4 * hidden if ffn is None else ffn))
+    out = model_state_formula(
+        params, precision, zero, dp, tp, pp, expert_params, ep, cp, largest_layer=largest_layer or 0.0, **shape
     )
+    out["activations"], out["stage"] = 0.0, "all" if pp == 1 else "first"
+    if layers:
+        layer = activation_bytes_per_layer(
+            seq,
+            micro_batch,
+            hidden,
+            heads,
+            tp,
+            sp,
+            recompute,
+            ffn,
+            cp,
+            kv_heads=kv_heads,
+            swiglu=swiglu,
+            attention=attention,
+        )
+        split = tp if sp else 1
+        sb = seq * micro_batch
+        inputs = (8 * sb + sb * hidden) / (split * cp)  # token ids, the embedding's dropout mask
+        outputs = (4 * sb * hidden + 4 * sb * vocab / (1 if sp else tp)) / (split * cp) if vocab else 0.0
+        if pp == 1:
+            out["activations"] = layers * layer + inputs + outputs
+        else:
+            penalty = 1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
+            first = penalty * (layers * layer + pp * inputs)
+            last = layers / pp * layer + outputs
+            out["activations"], out["stage"] = max((first, "first"), (last, "last"))
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
     return out
 
 
+def transformer_params(
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    swiglu: bool = False,
+    tied: bool = True,
+    norm: str = "layernorm",
+    biases: bool = True,
+    positions: int = 0,
+) -> dict[str, int]:
+    """Parameters of a decoder-only transformer by where they sit: ``layers`` (attention, MLP and their biases, all
+    layers; what tensor parallelism splits), ``replicated`` (the LayerNorm or RMSNorm weights, two per layer and a
+    final one; every TP rank keeps them), ``embedding`` (one V x h matrix), ``positions`` (learned positions, s x h)
+    and ``total`` (with the output head's own matrix when untied).
+
+    Per layer: attention q and o h x h, k and v h x (kv_heads x head dim) each (grouped-query attention, Ainslie
+    et al. 2023; all heads by default): 2h^2 (1 + kv_heads/heads); the MLP 2 h x ffn (GELU) or 3 (SwiGLU, Shazeer
+    2020), ffn = 4h by default; with ``biases`` those of the course's GPT: the attention output projection h and
+    the GELU MLP's ffn + h (none on q, k, v). Megatron-LM's ``theoretical_memory_usage.py`` counts the same without
+    any bias or learned position (``biases=False``, ``positions=0``)."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {sorted(NORMS)}, not {norm!r}")
+    kv = 1.0 if kv_heads is None else kv_heads / heads
+    width = 4 * hidden if ffn is None else ffn
+    attention = round(2 * hidden * hidden * (1 + kv))
+    mlp = (3 if swiglu else 2) * hidden * width
+    bias = (hidden + (0 if swiglu else width + hidden)) if biases else 0
+    counts = {
+        "layers": layers * (attention + mlp + bias),
+        "replicated": (2 * layers + 1) * NORMS[norm] * hidden,
+        "embedding": vocab * hidden,
+        "positions": positions * hidden,
+    }
+    counts["total"] = sum(counts.values()) + (0 if tied else vocab * hidden)
+    return counts
+
+
 def params_from_dims(layers: int, hidden: int, vocab: int, seq: int = 0, ffn_mult: int = 4) -> int:
-    """Parameters of a GPT-style model: (4 + 2m) h^2 per layer (attention 4h^2, MLP 2m h^2 for an m-times-wider
-    MLP), biases and LayerNorms (m + 6) h per layer (no bias on the qkv projection), token embeddings V h shared
-    with the output head, learned positions s h, and a final LayerNorm 2h."""
-    per_layer = (4 + 2 * ffn_mult) * hidden * hidden + (6 + ffn_mult) * hidden
-    return layers * per_layer + vocab * hidden + seq * hidden + 2 * hidden
+    """Parameters of a GPT-style model like the course's: (4 + 2m) h^2 per layer (attention 4h^2, MLP 2m h^2 for
+    an m-times-wider MLP), biases and LayerNorms (m + 6) h per layer (no bias on the qkv projection), token
+    embeddings V h shared with the output head, learned positions s h, and a final LayerNorm 2h
+    (:func:`transformer_params`)."""
+    return transformer_params(layers, hidden, vocab, ffn=ffn_mult * hidden, positions=seq)["total"]

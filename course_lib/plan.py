@@ -110,6 +110,7 @@ class Model:
     ffn: int | None = None  # a dense layer's MLP width (None: 4 x hidden)
     swiglu: bool = False  # a gated MLP, three ffn x h matrices (Shazeer 2020), instead of GELU's two
     tied: bool = True  # the output head shares the input embedding's weights
+    norm: str = "layernorm"  # or "rmsnorm" (one weight per hidden unit)
 
     @property
     def moe_layers(self) -> int:
@@ -122,8 +123,33 @@ class Model:
 
     @property
     def token_ffn(self) -> int | None:
-        """The FFN width a token's activations pass through in an MoE layer (None: a dense model's 4h)."""
-        return self.experts.token_ffn if self.experts else None
+        """The FFN width a token's activations pass through: in an MoE layer its experts', else the dense MLP's
+        (None: 4h)."""
+        return self.experts.token_ffn if self.experts else self.ffn
+
+    @property
+    def largest_layer(self) -> float:
+        """Parameters of the largest single weight matrix, what ZeRO-3 gathers at once: the embedding (V x h) or an
+        MLP matrix (h x ffn), as DeepSpeed's ZeRO-3 estimator takes the largest module's own parameters."""
+        widths = [self.ffn or 4 * self.hidden] + ([self.experts.ffn] if self.experts else [])
+        return max([(self.vocab or 0) * self.hidden] + [self.hidden * w for w in widths])
+
+    def memory_shape(self) -> dict:
+        """What :func:`course_lib.memory.memory_formula` needs of this model beyond the parallel layout."""
+        return {
+            "layers": self.layers,
+            "seq": self.seq,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "expert_params": self.expert_params,
+            "ffn": self.token_ffn,
+            "vocab": self.vocab,
+            "tied": self.tied,
+            "kv_heads": self.kv_heads,
+            "swiglu": self.swiglu,
+            "norm": self.norm,
+            "largest_layer": self.largest_layer,
+        }
 
 
 def swiglu_params(hidden: int, ffn: int) -> int:
@@ -177,7 +203,7 @@ _GPT3 = "Brown et al. 2020, Table 2.1 (dims, vocabulary 50257)"
 def _llama_dims(ffn: int) -> dict:
     """What the Llama 3 models share beyond their sizes: 8 K/V heads, a 128,256-token vocabulary, a SwiGLU MLP
     ``ffn`` wide and untied embeddings (Grattafiori et al. 2024, Table 3; the released checkpoints)."""
-    return {"kv_heads": 8, "vocab": 128256, "ffn": ffn, "swiglu": True, "tied": False}
+    return {"kv_heads": 8, "vocab": 128256, "ffn": ffn, "swiglu": True, "tied": False, "norm": "rmsnorm"}
 
 
 _LLAMA3_405B = Model(
@@ -273,6 +299,7 @@ PRESETS = {
         ffn=18432,
         swiglu=True,
         tied=False,
+        norm="rmsnorm",
     ),
     "mixtral-8x22b": Model(
         "mixtral-8x22b",
@@ -292,6 +319,7 @@ PRESETS = {
         vocab=32768,
         swiglu=True,
         tied=False,
+        norm="rmsnorm",
     ),
 }
 
@@ -682,8 +710,6 @@ def evaluate(
     """Memory (:func:`memory_formula`, TP with SP, experts over EP, activations over CP), bubble, step time and
     placement of one layout (a :class:`Layout`, or its first five fields)."""
     tp, pp, dp, zero, m, cp, ep = Layout(*layout)
-    dims = {"layers": model.layers, "seq": model.seq, "hidden": model.hidden, "heads": model.heads}
-    moe = {"expert_params": model.expert_params, "ep": ep, "cp": cp, "ffn": model.token_ffn}
     memory = memory_formula(
         model.params,
         precision,
@@ -694,8 +720,9 @@ def evaluate(
         micro_batch=micro_batch,
         sp=tp > 1,
         recompute=recompute,
-        **dims,
-        **moe,
+        ep=ep,
+        cp=cp,
+        **model.memory_shape(),
     )
     fits = memory["total"] <= gpu_mem
     c = Candidate(tp, pp, dp, zero, m, recompute, fits, memory["total"], 0.0, 0.0, memory, cp=cp, ep=ep)

@@ -126,7 +126,7 @@ BAD = (
         (["schedule", "--plot", "/proc/nope/s.png"], "cannot create the folder"),
         (["schedule", "--json", "/nonexistent/s.json"], "does not exist"),
         # memory
-        (["memory"], "give --params N"),
+        (["memory"], "give --preset NAME, --params N"),
         (["memory", "--params", "0"], "--params: must be a finite number greater than 0"),
         (["memory", "--params", "nan"], "--params: must be a finite number greater than 0"),
         (["memory", "--params=-7e9"], "--params: must be a finite number greater than 0"),
@@ -139,7 +139,11 @@ BAD = (
         (["memory", "--params", "7e9", "--precision", "fp8"], "invalid choice: 'fp8'"),
         (["memory", "--params", "7e9", "--recompute", "some"], "invalid choice: 'some'"),
         (["memory", "--params", "7e9", "--micro-batch", "0"], "must be a whole number of at least 1"),
-        (["memory", "--layers", "2", "--hidden", "64"], "give --params N"),
+        (["memory", "--layers", "2", "--hidden", "64"], "give --preset NAME, --params N"),
+        (["memory", "--preset", "llama3-9b"], "unknown preset 'llama3-9b'; choose one of"),
+        (["memory", "--preset", "llama3-8b", "--hidden", "64"], "--preset gives the model's dims; drop --hidden"),
+        (["memory", "--preset", "llama3-8b", "--pp", "2", "--chunks", "3"], "choose chunks dividing layers / pp"),
+        (["memory", "--params", "7e9", "--precision", "bf16"], "invalid choice: 'bf16'"),
         (
             [
                 "memory",

@@ -21,7 +21,7 @@ def test_memory_seven_billion_fp32_is_112_gb(capsys):
     data = run_json(capsys, "memory", "--params", "7e9", "--precision", "fp32")
     assert data["bytes_per_device"]["total"] == 112e9
     assert data["params"] == 7_000_000_000
-    assert set(data["bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(data["bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "total", "stage"}
 
 
 def test_memory_from_dims_with_activations(capsys):
@@ -47,12 +47,17 @@ def test_memory_from_dims_with_activations(capsys):
         "1",
         "--dp",
         "4",
+        "--attention",
+        "materialized",
     )
     per_device = data["bytes_per_device"]
     total = count_params(TinyGPT(GPTConfig()), trainable_only=False)  # the same dims as the tiny GPT
     assert data["params"] == total
-    assert per_device["optimizer"] == 8 * total / 2 / 4
-    assert per_device["activations"] == 2 * 32 * 2 * 64 / 2 * (34 + 5 * 4 * 32 / 64)
+    norms = (2 * 2 + 1) * 2 * 64  # LayerNorm weights and biases, two per layer and a final one: whole on each TP rank
+    assert per_device["optimizer"] == 8 * ((total - norms) / 2 + norms) / 4
+    s, b, h, v = 32, 2, 64, 128  # per layer Korthikanti's count under SP; outside: ids, mask, head input, logits
+    outside = (8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * v) / 2
+    assert per_device["activations"] == 2 * s * b * h / 2 * (34 + 5 * 4 * s / h) + outside
 
 
 def test_memory_human_output_prints_decimal_gb(capsys):
@@ -62,7 +67,7 @@ def test_memory_human_output_prints_decimal_gb(capsys):
 
 
 def test_memory_without_a_size_is_an_error():
-    with pytest.raises(SystemExit, match="give --params N"):
+    with pytest.raises(SystemExit, match="give --preset NAME, --params N"):
         main(["memory"])
 
 

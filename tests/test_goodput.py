@@ -159,11 +159,14 @@ def test_job_mtbf_scales_inversely_with_gpus():
 def test_llama3_405b_checkpoint_per_rank_at_its_published_layout():
     layout = Layout(tp=8, pp=16, dp=128, zero=1, microbatches=16)
     ckpt = checkpoint_bytes_per_rank("llama3-405b", layout)
-    shard = LLAMA3_405B // (8 * 16)  # TP x PP's share: 3,170,729,600 parameters
-    assert shard == 3_170_729_600
-    assert ckpt["params"] == 2 * shard == 6_341_459_200  # bf16 weights, whole on every DP replica
-    assert ckpt["optimizer"] == 12 * shard / 128 == 297_255_900  # fp32 master + 2 moments, ZeRO over DP 128
-    assert ckpt["total"] == 6_638_715_100
+    # The first stage's rank: a 16th of the layers and the 128,256 x 16,384 embedding over TP 8, a 16th of the
+    # RMSNorm weights whole: 3,400,791,040 parameters.
+    embedding, norms = 128256 * 16384, (2 * 126 + 1) * 16384
+    shard = ((LLAMA3_405B - 2 * embedding - norms) / 16 + embedding) / 8 + norms / 16
+    assert shard == 3_400_791_040
+    assert ckpt["params"] == 2 * shard == 6_801_582_080  # bf16 weights, whole on every DP replica
+    assert ckpt["optimizer"] == 12 * shard / 128 == 318_824_160  # fp32 master + 2 moments, ZeRO over DP 128
+    assert ckpt["total"] == 7_120_406_240
     # the planner's evaluation of the published layout holds the same states (and more: grads, activations)
     c = published_candidate(plan("llama3-405b", 16_384))
     assert (c.tp, c.pp, c.dp) == (8, 16, 128)
@@ -189,11 +192,11 @@ def test_checkpoint_seconds_are_capped_by_the_storage():
 def test_choose_interval_for_llama3_405b_on_16k_gpus():
     c = choose_interval("llama3-405b", 16_384, LLAMA3.mtbf_gpu_hours() * HOUR, 2e9, 600, storage_bandwidth=2e12)
     assert c.layout.startswith("TP 8 x PP 16 x DP 128")
-    assert c.checkpoint_bytes == 6_638_715_100
-    assert c.checkpoint_s == pytest.approx(54.384, abs=1e-3)
+    assert c.checkpoint_bytes == 7_120_406_240  # the first stage's rank (test above)
+    assert c.checkpoint_s == pytest.approx(7_120_406_240 * 16_384 / 2e12)  # 58.3 s: the storage's 2 TB/s shared
     assert c.mtbf_job_s == pytest.approx(1296 * HOUR / 419)  # 11,135 s
     assert c.daly_s == pytest.approx(daly_interval(c.checkpoint_s, c.mtbf_job_s))
-    assert 17 < c.daly_s / MINUTE < 18  # ~ sqrt(2 x 54 s x 3.1 h) - a little
+    assert 18 < c.daly_s / MINUTE < 19  # ~ sqrt(2 x 58 s x 3.1 h) - a little
     intervals, goodputs = zip(*c.table, strict=True)
     assert intervals[int(np.argmax(goodputs))] == c.daly_s and max(goodputs) == c.goodput
     assert 0.85 < c.goodput < 0.86
@@ -241,12 +244,12 @@ def test_other_bad_inputs_are_refused():
 def test_goodput_command_json_and_text(capsys):
     assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--json", "-"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["checkpoint_bytes"] == 6_638_715_100 and out["checkpoint_s"] == pytest.approx(54.384, abs=1e-3)
+    assert out["checkpoint_bytes"] == 7_120_406_240 and out["checkpoint_s"] == pytest.approx(58.330, abs=1e-3)
     assert out["mtbf_gpu_hours"] == pytest.approx(16_384 * 1296 / 419)
     assert out["daly_s"] == pytest.approx(daly_interval(out["checkpoint_s"], out["mtbf_job_s"]))
     assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--stall-s", "6.3"]) == 0
     text = capsys.readouterr().out
-    assert "6.64 GB per rank" in text and "in the background (stall 6.3 s)" in text and "goodput" in text
+    assert "7.12 GB per rank" in text and "in the background (stall 6.3 s)" in text and "goodput" in text
 
 
 # flag -> (a bad value, what the one-line refusal says); each goes after "goodput --gpus 16384"

@@ -49,15 +49,28 @@ def test_bad_formula_inputs_are_named():
 def test_korthikanti_table_two():
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B dims, one sequence
     base = s * b * h * (34 + 5 * a * s / h)
-    assert activation_bytes_per_layer(s, b, h, a) == base
-    assert activation_bytes_per_layer(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True) == pytest.approx(base / 8)
-    assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == pytest.approx(
+    stored = {"attention": "materialized"}  # Korthikanti counts the (heads, s, s) scores as stored
+    assert activation_bytes_per_layer(s, b, h, a, **stored) == base
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, **stored) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, **stored) == pytest.approx(base / 8)
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective", **stored) == pytest.approx(
         34 * s * b * h / 8
     )
-    assert activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, recompute="full", **stored) == 2 * s * b * h
     # With t = 1 sequence parallelism changes nothing.
-    assert activation_bytes_per_layer(s, b, h, a, tp=1, sp=True) == base
+    assert activation_bytes_per_layer(s, b, h, a, tp=1, sp=True, **stored) == base
+
+
+def test_flash_attention_keeps_what_selective_recompute_keeps():
+    """The default: FlashAttention never stores the scores, Korthikanti's selective recompute for free."""
+    s, b, h, a = 2048, 1, 12288, 96
+    for tp, sp in ((1, False), (8, False), (8, True)):
+        flash = activation_bytes_per_layer(s, b, h, a, tp=tp, sp=sp)
+        selective = activation_bytes_per_layer(
+            s, b, h, a, tp=tp, sp=sp, recompute="selective", attention="materialized"
+        )
+        assert flash == selective
+    assert activation_bytes_per_layer(s, b, h, a) == 34 * s * b * h
 
 
 def test_parameter_count_from_dims_matches_the_model():

@@ -485,7 +485,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from course_lib.parallel.schedules import Costs, bubble_formula, check, generate, simulate
+    from course_lib.parallel.schedules import Costs, bubble_formula, check, formula_text, generate, simulate
 
     costs = Costs(args.f, args.b, args.w)
     try:
@@ -518,7 +518,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     _say(
         args,
         f"  makespan {sim.makespan:g}, bubble fraction {sim.bubble_fraction:.4f} "
-        f"(equal-cost formula {formula:.4f}), peak microbatches in flight per stage {sim.peak_inflight}",
+        f"({formula_text(formula)}), peak microbatches in flight per stage {sim.peak_inflight}",
     )
     for r, table in enumerate(tables):
         _say(args, f"  rank {r}: " + " ".join(str(a) for a in table if a.kind in ("F", "B", "W")))
@@ -551,6 +551,11 @@ def cmd_hardware(args: argparse.Namespace) -> int:
             args,
             f"  per GPU: intra-node {p.intra_bandwidth / 1e9:g} GB/s, {p.intra_latency_s * 1e6:g} us; "
             f"inter-node {p.inter_bandwidth / 1e9:g} GB/s, {p.inter_latency_s * 1e6:g} us",
+        )
+        _say(
+            args,
+            f"  planner's step time: matmuls at {p.matmul_efficiency:.0%} of peak, fused attention at "
+            f"{p.attention_efficiency:.0%}, memory {p.hbm_bandwidth / 1e12:g} TB/s",
         )
         for source in p.sources:
             _say(args, f"  source: {source}")
@@ -622,11 +627,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ plan
+LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from course_lib.plan import describe, make_model, plan
 
+    given = [flag for flag in LAYOUT_FLAGS if getattr(args, flag) not in (None, False)]
+    if given and not {"tp", "pp", "dp"} & set(given):
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+        raise SystemExit(f"plan: {flags} describe a given layout: give --tp, --pp and --dp too (or none of them)")
     try:
         model = make_model(args.preset, args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq)
+        if given:
+            return _plan_layout(args, model)
         result = plan(
             model,
             args.gpus,
@@ -640,14 +654,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"plan: {err}") from None
     _write_json(result.as_dict(), args.json)
-    nodes = -(-result.gpus // result.gpus_per_node)
-    _say(
-        args,
-        f"{model.name}: {model.params / 1e9:.1f}B parameters"
-        + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
-        + f" on {result.gpus} GPUs ({nodes} node"
-        f"{'s' * (nodes > 1)} of {result.gpus_per_node}, {result.hardware}, {result.gpu_mem_bytes / 1e9:g} GB each)",
-    )
+    _say_model(args, model, result.gpus, result.gpus_per_node, result.hardware, result.gpu_mem_bytes)
     _say(
         args,
         f"  choice: {describe(result)}, {result.microbatches} microbatches of {result.micro_batch} per DP rank"
@@ -656,7 +663,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _say(
         args,
         f"  memory per GPU {result.memory_per_gpu_bytes / 1e9:.1f} GB of {result.gpu_mem_bytes / 1e9:g} GB; "
-        f"bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s",
+        f"bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s, "
+        f"{result.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {result.mfu:.1%}",
     )
     _say(args, "  why:")
     for reason in result.reasons:
@@ -667,9 +675,85 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mark = "   <- chosen" if describe(c) == describe(result) else ""
         _say(
             args,
-            f"    {i}. {describe(c):<32}{c.memory_per_gpu_bytes / 1e9:7.1f} GB   bubble {c.bubble_fraction:6.1%}   "
-            f"step {c.step_time_s:.3g} s{mark}",
+            f"    {i}. {describe(c):<48}{c.memory_per_gpu_bytes / 1e9:7.1f} GB   bubble {c.bubble_fraction:6.1%}   "
+            f"step {c.step_time_s:.3g} s   MFU {c.mfu:.1%}{mark}",
         )
+    return 0
+
+
+def _say_model(args, model, gpus: int, per_node: int, hardware: str, gpu_mem: float) -> None:
+    nodes = -(-gpus // per_node)
+    _say(
+        args,
+        f"{model.name}: {model.params / 1e9:.1f}B parameters"
+        + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
+        + f" on {gpus} GPUs ({nodes} node{'s' * (nodes > 1)} of {per_node}, {hardware}, {gpu_mem / 1e9:g} GB each)",
+    )
+
+
+def _plan_layout(args: argparse.Namespace, model) -> int:
+    """``plan --tp T --pp P --dp D ...``: one given layout, evaluated as the planner evaluates its own."""
+    from dataclasses import asdict
+
+    from course_lib.hardware import get_profile
+    from course_lib.plan import PEAK, describe, evaluate_layout
+
+    profile = get_profile(args.hardware)
+    c = evaluate_layout(
+        model,
+        args.gpus,
+        tp=args.tp or 1,
+        pp=args.pp or 1,
+        dp=args.dp,
+        cp=args.cp or 1,
+        ep=args.ep or 1,
+        zero=args.zero,
+        schedule=args.schedule or "1f1b",
+        chunks=args.chunks or 1,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        recompute=args.recompute or "none",
+        hardware=args.hardware,
+        gpus_per_node=args.gpus_per_node,
+        gpu_mem_bytes=args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
+        attention=args.attention or "flash",
+        sp=False if args.no_sp else None,
+    )
+    gpu_mem = args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else profile.memory_bytes
+    per_node = args.gpus_per_node or profile.gpus_per_node
+    _write_json({"model": model.name, "gpus": args.gpus, "hardware": profile.name, **asdict(c)}, args.json)
+    _say_model(args, model, args.gpus, per_node, profile.name, gpu_mem)
+    _say(
+        args,
+        f"  layout: {describe(c)}; {c.microbatches} microbatches of {args.micro_batch} per DP rank, "
+        f"{'no' if c.recompute == 'none' else c.recompute} recompute, {c.attention} attention"
+        + (", sequence parallel" if c.sp else ""),
+    )
+    parts = ", ".join(f"{k} {c.memory[k] / 1e9:.3g}" for k in ("params", "grads", "optimizer", "activations"))
+    verdict = "fits" if c.fits else f"does not fit, {(c.memory_per_gpu_bytes - gpu_mem) / 1e9:.1f} GB over"
+    _say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:g} GB ({parts}): {verdict}")
+    if c.recompute == "none" and c.attention == "flash":
+        _say(
+            args, "    (the memory model keeps the attention scores, 5as/h; a flash kernel would not: see --recompute)"
+        )
+    t = c.time
+    _say(
+        args,
+        f"  step {c.step_time_s:.3g} s: compute {t['compute_s']:.3g} s, bubble {t['bubble_s']:.3g} s "
+        f"({c.bubble_fraction:.1%} of the pipeline's time), exposed TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} "
+        f"s, CP {t['cp_comm_exposed_s']:.3g} s, EP {t['ep_comm_s']:.3g} s, DP {t['dp_comm_exposed_s']:.3g} s",
+    )
+    peak = profile.peak_flops[PEAK["mixed"]] / 1e12
+    _say(
+        args,
+        f"  model FLOPs (6N + causal attention) {c.model_flops:.3g} a step: {c.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+        f"MFU {c.mfu:.1%} of {peak:g} TFLOP/s",
+    )
+    _say(
+        args,
+        f"  hardware FLOPs (as computed, with the recomputed forward) {c.hardware_flops:.3g}: "
+        f"{c.hardware_tflops_per_gpu:.0f} TFLOP/s per GPU, HFU {c.hfu:.1%}",
+    )
     return 0
 
 
@@ -890,6 +974,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the preset's, else 1024)")
     pl.add_argument("--micro-batch", type=_positive_int, default=1)
     pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
+    given = pl.add_argument_group("a given layout (evaluated instead of searched: give --tp, --pp and --dp)")
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        given.add_argument(f"--{axis}", type=_positive_int)
+    given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
+    given.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1"], help="pipeline schedule (default 1f1b)")
+    given.add_argument("--chunks", type=_positive_int, help="model chunks per pipeline rank (v), interleaved")
+    given.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default none)")
+    given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")
+    given.add_argument("--no-sp", action="store_true", help="no sequence parallelism with TP")
     pl.set_defaults(func=cmd_plan)
 
     gp = sub.add_parser("goodput", help="checkpoint interval and goodput for a model on a cluster (Young, Daly)")

@@ -17,6 +17,11 @@ issued and waited for, in order) is replayed by a small discrete-event simulatio
 Per rank the replay reports, for one step, the modeled timeline (the same event kinds as the wall clock), the step
 time, compute, comm (time its collectives were moving data), exposed comm (time blocked while data moved), idle
 (time blocked waiting for other ranks) and the bubble fraction idle / step time.
+
+Each profile also states what the planner's step-time model (:func:`course_lib.plan.step_time`) assumes of the GPU
+beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
+and a fused attention kernel sustain in training (``MATMUL_EFFICIENCY``, ``ATTENTION_EFFICIENCY``) and its memory
+bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``.
 """
 
 from __future__ import annotations
@@ -41,8 +46,45 @@ class HardwareProfile:
     intra_latency_s: float
     inter_bandwidth: float
     inter_latency_s: float
+    matmul_efficiency: float  # fraction of the dense peak a training step's large matrix multiplies sustain
+    attention_efficiency: float  # fraction of the dense peak a fused (FlashAttention-style) attention kernel sustains
+    hbm_bandwidth: float  # bytes/s of the GPU's own memory, what the element-wise kernels stream through
     sources: tuple[str, ...] = field(default=())
 
+
+# What the planner's step-time model (course_lib.plan.step_time) assumes of a GPU beside its datasheet, one number per
+# GPU generation for every layout and model, none fitted to a published row (course_lib.published holds the check).
+#
+# matmul_efficiency: the fraction of the dense peak a training step's matrix multiplies sustain. A100: 0.63, what the
+# model needs to give Narayanan et al. 2021's Table 2 row for GPT-3 175B on 384 A100s (153 TFLOP/s per GPU, batch
+# 1536, micro-batch 1, model-parallel 96 = TP 8 x PP 12, DP 4: 384 microbatches, so a bubble of 1-3% whatever the
+# schedule): 0.627 interleaved, 0.637 1F1B. That row is from the same paper, code and cluster as Table 1 but not one
+# of the rows validated against. Cross-check: Korthikanti et al. 2022's Table 4 (one layer of a 22B GPT on 8 A100s,
+# 19.6 to 27.2 ms with and without recompute) gives 0.68-0.74 with the 2022 code, about 9% faster than 2021's: their
+# Table 5's full-recompute 1T iteration (94.42 s, 512 microbatches as in Table 1's 1T row) is 56.8% of peak by eq. (3)
+# against Table 1's 52%. H100: no measurement of its own independent of Llama 3's Table 4 was found; the A100's
+# fraction scaled by the two GPUs' measured matmul ceilings (the largest BF16 matmul throughput found by a shape
+# search, "MAMF": A100 SXM 85.9%, H100 SXM 80.1% of peak; Bekman, ml-engineering, compute/accelerator/README.md):
+# 0.63 x 80.1 / 85.9 = 0.59. The H800 has the H100's compute; the L40S, unmeasured, is taken as the A100.
+MATMUL_EFFICIENCY = {"a100": 0.63, "h100": 0.59, "h800": 0.59, "pcie": 0.63}
+# attention_efficiency: the fraction of the dense peak a fused attention kernel sustains. FlashAttention-2: 50-73% on
+# A100 (Dao 2023, abstract; the low end, 0.5, taken), 35% on H100 (Shah et al. 2024, FlashAttention-3, abstract).
+ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h800": 0.35, "pcie": 0.5}
+
+TIME_MODEL_ASSUMPTIONS = (
+    "Compute: matrix multiplies at the profile's matmul_efficiency of its dense peak; fused attention at its "
+    "attention_efficiency (attention that writes its scores to memory runs as matrix multiplies); element-wise "
+    "kernels at the datasheet memory bandwidth, hbm_bandwidth; one after the other on a GPU.",
+    "Collectives at the link's bandwidth per GPU and direction (intra_bandwidth inside a node, inter_bandwidth across "
+    "nodes) plus a latency per ring step (collective_time).",
+    "Not overlapped with compute: TP's all-reduces (or SP's all-gathers and reduce-scatters), pipeline sends and "
+    "receives, expert parallelism's all-to-alls.",
+    "Overlapped: a CP ring step with the attention of the block it holds; DP's gradient reduction (ZeRO-0 and 1) with "
+    "the last microbatch's backward, ZeRO-2's with the whole backward, ZeRO-3's gathers and reductions with all the "
+    "compute; ZeRO-1 and 2's all-gather of the updated weights after the step is not.",
+    "Pipeline: every stage runs at the pace of the slowest (a full stage, or the last with the output head); the "
+    "bubble is the schedule's idle over busy time times a stage's work, compute and its TP, CP and EP traffic.",
+)
 
 PROFILES = {
     "h100": HardwareProfile(
@@ -55,9 +97,12 @@ PROFILES = {
         intra_latency_s=2e-6,
         inter_bandwidth=50e9,  # 400 Gb/s ConnectX-7 per GPU
         inter_latency_s=5e-6,
+        matmul_efficiency=MATMUL_EFFICIENCY["h100"],
+        attention_efficiency=ATTENTION_EFFICIENCY["h100"],
+        hbm_bandwidth=3.35e12,  # HBM3
         sources=(
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP32 67 TFLOPS, 80 GB HBM3, "
-            "NVLink 900 GB/s)",
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP32 67 TFLOPS, 80 GB HBM3 at "
+            "3.35 TB/s, NVLink 900 GB/s)",
             "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s InfiniBand for the compute fabric)",
         ),
     ),
@@ -72,6 +117,9 @@ PROFILES = {
         intra_latency_s=2e-6,
         inter_bandwidth=50e9,  # 400 Gb/s per GPU, as DeepSeek-V3 reports it: NVLink is 3.2x faster
         inter_latency_s=5e-6,
+        matmul_efficiency=MATMUL_EFFICIENCY["h800"],
+        attention_efficiency=ATTENTION_EFFICIENCY["h800"],
+        hbm_bandwidth=3.35e12,  # HBM3, as the H100
         sources=(
             "DeepSeek-AI 2024 (DeepSeek-V3 technical report), §3.2.2: 2,048 H800 GPUs, 8 per node over NVLink and "
             "NVSwitch, InfiniBand between nodes; NVLink 160 GB/s vs IB 50 GB/s, about 3.2x",
@@ -89,9 +137,12 @@ PROFILES = {
         intra_latency_s=2e-6,
         inter_bandwidth=25e9,  # 200 Gb/s ConnectX-6 per GPU
         inter_latency_s=5e-6,
+        matmul_efficiency=MATMUL_EFFICIENCY["a100"],
+        attention_efficiency=ATTENTION_EFFICIENCY["a100"],
+        hbm_bandwidth=2.039e12,  # HBM2e
         sources=(
-            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
-            "NVLink 600 GB/s)",
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, HBM2e "
+            "2,039 GB/s, NVLink 600 GB/s)",
             "NVIDIA DGX A100 user guide (8x ConnectX-6 200 Gb/s HDR InfiniBand)",
         ),
     ),
@@ -105,8 +156,12 @@ PROFILES = {
         intra_latency_s=3e-6,
         inter_bandwidth=25e9 / 8,  # 2 x 100 Gb/s per node, shared by 8 GPUs (an assumed, common build)
         inter_latency_s=10e-6,
+        matmul_efficiency=MATMUL_EFFICIENCY["pcie"],
+        attention_efficiency=ATTENTION_EFFICIENCY["pcie"],
+        hbm_bandwidth=0.864e12,  # GDDR6
         sources=(
-            "NVIDIA L40S datasheet (BF16 362 TFLOPS dense, FP32 91.6 TFLOPS, 48 GB, PCIe Gen4 x16 64 GB/s)",
+            "NVIDIA L40S datasheet (BF16 362 TFLOPS dense, FP32 91.6 TFLOPS, 48 GB GDDR6 at 864 GB/s, PCIe Gen4 "
+            "x16 64 GB/s)",
             "Latencies of all three profiles: assumed, of the order of NCCL-tests small-message times",
         ),
     ),

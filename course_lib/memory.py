@@ -22,6 +22,7 @@ our tiny GPT. ``tests/test_memory_references.py`` compares them with Megatron-LM
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -527,6 +528,12 @@ def tiny_gpt_activation_bytes(
     }
 
 
+def interleaved_activation_factor(pp: int, chunks: int) -> float:
+    """How much more activation memory the interleaved schedule's first stage holds than 1F1B's: 1 + (p-1)/(p v)
+    (Megatron-LM's ``theoretical_memory_usage.py``; Narayanan et al. 2021, §2.2.2). 1 for any other schedule."""
+    return 1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
+
+
 def memory_formula(
     params: float,
     precision: str | Precision = "fp32",
@@ -592,10 +599,10 @@ def memory_formula(
         raise ValueError(f"norm must be one of {sorted(NORMS)}, not {norm!r}")
     if chunks < 1 or (chunks > 1 and pp == 1):
         raise ValueError("chunks (model chunks per pipeline stage) must be at least 1, and 1 without a pipeline")
-    if layers is not None and chunks > 1 and layers % (pp * chunks):
+    if layers is not None and chunks > math.ceil(layers / pp):
         raise ValueError(
-            f"the interleaved schedule gives each of pp x chunks = {pp * chunks} model chunks the same layers: "
-            f"{layers} layers do not split so; choose chunks dividing layers / pp"
+            f"the interleaved schedule cuts each stage's {math.ceil(layers / pp)} layers into {chunks} model chunks "
+            f"of at least one layer: choose chunks of at most layers / pp"
         )
     shape = {}
     if vocab is not None and hidden is not None:
@@ -628,8 +635,7 @@ def memory_formula(
         if pp == 1:
             out["activations"] = layers * layer + inputs + outputs
         else:
-            penalty = 1 + (pp - 1) / (pp * chunks) if chunks > 1 else 1.0
-            first = penalty * (layers * layer + pp * inputs)
+            first = interleaved_activation_factor(pp, chunks) * (layers * layer + pp * inputs)
             last = layers / pp * layer + outputs
             out["activations"], out["stage"] = max((first, "first"), (last, "last"))
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))

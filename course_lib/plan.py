@@ -9,11 +9,16 @@ First the lesson's decision tree, on model states alone (16 bytes per parameter 
 
 Then every layout is enumerated and costed: TP degrees that divide the GPUs of a node (and the heads), PP degrees
 that split the layers into stages of equal size, or, as Llama 3 does, first and last stage one layer shorter
-(Grattafiori et al. 2024, §3.3.2), DP the rest, ZeRO 0, 1, 2 (3 only without TP and PP, i.e. FSDP). Ranks are
+(Grattafiori et al. 2024, §3.3.2), DP the rest, ZeRO 0, 1, 2 (3 only without TP and PP, i.e. FSDP), and each
+pipeline with 1F1B, ZB-H1 and the interleaved schedule's chunk counts (:func:`pipeline_schedules`). Ranks are
 placed as Llama 3 orders them, TP fastest, then CP, then PP, then DP (§3.3.2). Memory per GPU is
-:func:`course_lib.memory.memory_formula` (TP with sequence parallelism, the 1F1B first stage's activations), the
-same numbers as ``python -m course_lib memory``. Time per step is a simple estimate (:func:`step_time`). Layouts
-that fit are ranked by it; the decision tree's shape is kept unless another layout is more than ``CLOSE`` faster.
+:func:`course_lib.memory.memory_formula` (TP with sequence parallelism, the 1F1B first stage's activations, scaled
+for the interleaved schedule), the same numbers as ``python -m course_lib memory``. Time per step
+(:func:`step_time`) is compute at the hardware profile's sustained matmul rate and memory bandwidth, the exposed
+TP, PP, CP, EP and DP traffic and the schedule's bubble; beside it the model and hardware FLOPs, TFLOP/s per GPU
+and MFU. It is checked against 13 published runs (:mod:`course_lib.published`). Layouts that fit are ranked by
+it; the decision tree's shape is kept unless another layout is more than ``CLOSE`` faster. One given layout is
+evaluated by :func:`evaluate_layout`.
 
 A mixture of experts (:class:`Experts`) adds an EP axis: whole experts split over ``ep`` ranks carved out of a
 stage's TP x CP x DP ranks (the expert-data-parallel group, tp x cp x dp / ep, holds the replicas ZeRO shards),
@@ -31,10 +36,17 @@ from typing import NamedTuple
 
 from course_lib.comm import ring_factor
 from course_lib.hardware import HardwareProfile, collective_time, get_profile, link
-from course_lib.memory import BYTES_PER_PARAM, CATEGORIES, memory_formula, model_state_formula, params_from_dims
-from course_lib.parallel.schedules import bubble_formula
+from course_lib.memory import (
+    BYTES_PER_PARAM,
+    CATEGORIES,
+    RECOMPUTE,
+    interleaved_activation_factor,
+    memory_formula,
+    model_state_formula,
+    params_from_dims,
+)
+from course_lib.parallel.schedules import Costs, bubble_formula, bubble_ratio
 
-EFFICIENCY = 0.5  # fraction of peak FLOP/s a GPU sustains (the modeled clock's default, hardware.replay)
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
 DEFAULT_SEQ = 2048  # GPT-3's context (Brown et al. 2020)
 DEFAULT_GLOBAL_BATCH = 1024  # sequences: 2M tokens at 2048, GPT-3 13B's batch (Brown et al. 2020, Table 2.1)
@@ -363,7 +375,9 @@ def make_model(
 @dataclass
 class Candidate:
     """One layout and its numbers: memory per GPU by category (``memory``), the step time and its parts
-    (``time``), and where each group of more than one GPU sits (``placement``)."""
+    (``time``), the FLOPs a step does and the rate that makes (model FLOPs, :func:`flops_per_token`; hardware
+    FLOPs, :func:`hardware_flops_per_token`, with the recomputed forward), and where each group of more than one GPU
+    sits (``placement``)."""
 
     tp: int
     pp: int
@@ -380,10 +394,21 @@ class Candidate:
     placement: dict = field(default_factory=dict)
     cp: int = 1
     ep: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule (:data:`PIPELINE_SCHEDULES`)
+    chunks: int = 1  # model chunks per pipeline rank (v), more than 1 only interleaved
+    attention: str = "flash"  # the attention kernel (:data:`ATTENTION`)
+    sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022, §4.2.2)
+    model_flops: float = 0.0  # per step, :func:`flops_per_token` x tokens
+    hardware_flops: float = 0.0  # per step, :func:`hardware_flops_per_token` x tokens
+    tflops_per_gpu: float = 0.0  # model FLOPs per second per GPU, in TFLOP/s
+    hardware_tflops_per_gpu: float = 0.0
+    mfu: float = 0.0  # model FLOPs utilization: model FLOP/s per GPU over the profile's dense peak
+    hfu: float = 0.0  # hardware FLOPs utilization, the same with the recomputed forward counted
 
 
 class Layout(NamedTuple):
-    """One way to lay a model out: the degrees, the ZeRO stage and the microbatches per DP rank."""
+    """One way to lay a model out: the degrees, the ZeRO stage, the microbatches per DP rank and the pipeline
+    schedule with its chunks per rank."""
 
     tp: int
     pp: int
@@ -392,6 +417,8 @@ class Layout(NamedTuple):
     microbatches: int
     cp: int = 1
     ep: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
 
 
 @dataclass
@@ -417,10 +444,17 @@ class Plan(Candidate):
 
 def describe(c: Candidate, zero0: bool = True) -> str:
     """ "TP t x PP p x DP d, ZeRO-k" (without ", ZeRO-0" when ``zero0`` is False), with " x CP c" after TP and
-    ", EP e" (carved out of TP x CP x DP) when they are more than 1."""
+    ", EP e" (carved out of TP x CP x DP) when they are more than 1, and the pipeline schedule when it is not
+    1F1B (:func:`schedule_name`)."""
     cp = f" x CP {c.cp}" if c.cp > 1 else ""
     ep = f", EP {c.ep}" if c.ep > 1 else ""
-    return f"TP {c.tp}{cp} x PP {c.pp} x DP {c.dp}{ep}" + (f", ZeRO-{c.zero}" if c.zero or zero0 else "")
+    schedule = f", {schedule_name(c.schedule, c.chunks)}" if c.schedule != "1f1b" else ""
+    return f"TP {c.tp}{cp} x PP {c.pp} x DP {c.dp}{ep}" + (f", ZeRO-{c.zero}" if c.zero or zero0 else "") + schedule
+
+
+def schedule_name(schedule: str, chunks: int = 1) -> str:
+    """ "1F1B", "interleaved v=4" or "ZB-H1"."""
+    return {"1f1b": "1F1B", "zb-h1": "ZB-H1"}.get(schedule, f"interleaved v={chunks}")
 
 
 def _bytes(x: float) -> str:
@@ -497,8 +531,9 @@ def layouts(
 ) -> list[Layout]:
     """Every :class:`Layout`: TP inside a node dividing the heads, with ``context`` every CP degree
     (:func:`cp_degrees`), PP splitting the layers (:func:`splits_layers`), DP the rest, every EP degree
-    (:func:`ep_degrees`); the global batch a whole number of micro-batches per DP rank, at least one per stage
-    (1F1B). ZeRO shards over DP x CP (3, FSDP, only without TP and PP). ``no_mp``: TP = CP = PP = EP = 1."""
+    (:func:`ep_degrees`); the global batch a whole number of micro-batches per DP rank, at least one per stage;
+    each pipeline with every schedule it can run (:func:`pipeline_schedules`). ZeRO shards over DP x CP (3, FSDP,
+    only without TP and PP). ``no_mp``: TP = CP = PP = EP = 1."""
     out = []
     for tp in _divisors(gpus_per_node):
         if model.heads % tp or gpus % tp or (no_mp and tp > 1):
@@ -511,8 +546,36 @@ def layouts(
                     continue
                 zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3) if tp == pp == 1 else (0, 1, 2)
                 eps = [1] if no_mp else ep_degrees(model, tp * cp * dp)
-                out += [Layout(tp, pp, dp, zero, m, cp, ep) for ep in eps for zero in zeros]
+                out += [
+                    Layout(tp, pp, dp, zero, m, cp, ep, schedule, chunks)
+                    for schedule, chunks in pipeline_schedules(model.layers, pp, m)
+                    for ep in eps
+                    for zero in zeros
+                ]
     return out
+
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what the planner costs (the schedules module has GPipe too)
+
+
+def pipeline_schedules(layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """(schedule, chunks) a pipeline of ``pp`` stages can run ``microbatches`` with: none but 1F1B's trivial one
+    without a pipeline; else 1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1), ZB-H1 (Qi et al. 2023, §3.1;
+    at least p microbatches, as every layout here has) and interleaved 1F1B with each v of
+    :func:`interleave_chunks`."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in interleave_chunks(layers, pp, microbatches)]
+
+
+def interleave_chunks(layers: int, pp: int, microbatches: int) -> list[int]:
+    """The v an interleaved schedule can split each stage into (Narayanan et al. 2021, §2.2.2): at least 2, a
+    divisor of a full stage's ceil(L/p) layers (a stage one layer short, as Llama 3's first and last, has one
+    chunk a layer short: its first or last chunk, the one next to the embedding or the head, Grattafiori et al.
+    2024, §3.3.2), and only if the microbatches are a multiple of p, as Megatron-LM's implementation requires."""
+    if pp == 1 or microbatches % pp:
+        return []
+    return [v for v in _divisors(math.ceil(layers / pp)) if v > 1]
 
 
 @cache
@@ -587,12 +650,150 @@ def dp_comm_exposed(
 
 
 def flops_per_token(model: Model) -> float:
-    """Training FLOPs per token: 6 x the *active* parameters (2 forward, 4 backward; Kaplan et al. 2020, §2.1;
-    a mixture of experts computes with the experts a token visits, Fedus et al. 2022, §2), plus the attention
-    scores and their product with V, 4 s h per layer forward, x 3 with the backward, halved by the causal mask
-    (Narayanan et al. 2021, §5.1, whose 96 B s l h^2 (1 + s/6h + ...) counts them unmasked and recomputed):
-    6 L s h. At 8K tokens Llama 3 405B's attention is 4% of its FLOPs, at 128K 40%."""
-    return 6 * (model.active_params or model.params) + 6 * model.layers * model.seq * model.hidden
+    """Model FLOPs per token, what MFU counts: 6 x the *active* parameters (2 forward, 4 backward; Kaplan et al.
+    2020, §2.1; a mixture of experts computes with the experts a token visits, Fedus et al. 2022, §2), plus the
+    attention scores and their product with V, 4 s h per layer forward, x 3 with the backward, halved by the causal
+    mask (Narayanan et al. 2021, §5.1, whose 96 B s l h^2 (1 + s/6h + ...) counts them unmasked and recomputed):
+    6 L s h (:func:`attention_flops_per_token`). At 8K tokens Llama 3 405B's attention is 4% of its FLOPs, at 128K
+    40%."""
+    return 6 * (model.active_params or model.params) + attention_flops_per_token(model, "flash")
+
+
+ATTENTION = ("flash", "materialized")  # FlashAttention (Dao et al. 2022) or scores written to memory (Megatron 2021)
+RECOMPUTE_PASSES = {"none": 0, "selective": 0, "full": 1}  # extra forwards of a layer's matmuls
+
+
+def attention_flops_per_token(model: Model, attention: str = "flash") -> float:
+    """FLOPs of the attention scores (Q K^T) and their product with V per token, forward and backward: 4 s h per
+    layer forward, 3x that with the backward, 12 L s h; a FlashAttention kernel skips the blocks the causal mask
+    hides, half of them, 6 L s h (Dao et al. 2022, §3.1 and its block-sparse variant); attention that writes its
+    scores to memory (Megatron-LM 2021) computes all of them, as Narayanan et al.'s eq. (3) counts."""
+    return (6 if attention == "flash" else 12) * model.layers * model.seq * model.hidden
+
+
+def embedding_params(model: Model) -> float:
+    """The input embedding and the output head: V x h, once if tied, twice if not (0 if the vocabulary is
+    unknown)."""
+    return model.vocab * model.hidden * (1 if model.tied else 2) if model.vocab else 0.0
+
+
+def layer_params(model: Model) -> float:
+    """Active parameters of one transformer layer, on average: all but the embeddings, over the layers."""
+    return ((model.active_params or model.params) - embedding_params(model)) / model.layers
+
+
+def hardware_flops_per_token(model: Model, recompute: str = "none", attention: str = "flash") -> float:
+    """FLOPs per token the GPUs execute, what HFU counts: :func:`flops_per_token` with the attention as the kernel
+    computes it (:func:`attention_flops_per_token`), plus the recomputed forward: full recompute runs every layer's
+    forward again, 2 x the layer parameters and the attention's forward (8 per parameter-token instead of 6, as
+    Narayanan et al. 2021's eq. (3) counts, Appendix); selective recompute only the attention's forward
+    (Korthikanti et al. 2022, §5). The output head is not recomputed."""
+    attention_flops = attention_flops_per_token(model, attention)
+    extra = 2 * layer_params(model) * model.layers * RECOMPUTE_PASSES[recompute]
+    extra += attention_flops / 3 * (recompute != "none")
+    return flops_per_token(model) - attention_flops_per_token(model, "flash") + attention_flops + extra
+
+
+def _rate(profile: HardwareProfile, precision: str, efficiency: float) -> float:
+    return profile.peak_flops[PEAK[precision]] * efficiency
+
+
+def _attention_efficiency(profile: HardwareProfile, attention: str) -> float:
+    """Scores written to memory are batched matrix multiplies (their memory traffic counted apart,
+    :func:`elementwise_bytes`); a fused kernel runs at its own measured rate."""
+    return profile.matmul_efficiency if attention == "materialized" else profile.attention_efficiency
+
+
+def elementwise_bytes(model: Model, c: Candidate, micro_batch: int) -> float:
+    """Bytes one layer's element-wise kernels read and write in memory for one microbatch on one GPU, forward,
+    backward and recompute: the work that runs at memory bandwidth rather than at the matmul rate.
+
+    Forward, per token, 16-bit values and 1-byte dropout masks, the operations of Korthikanti et al. 2022, §4.1:
+    two LayerNorms (read and write h each: 8h bytes), two bias-dropout-adds (the output and the residual read, the
+    sum written, a mask: 7h each), the MLP's activation (GeLU reads and writes its ffn-wide input, 4 ffn; SwiGLU
+    reads two and writes one, 6 ffn), and the attention: scores written to memory pass 13 bytes per score (Q K^T
+    writes 2, softmax reads and writes 4, dropout 5 with its mask, the product with V reads 2; a s scores per
+    token); a fused kernel reads Q, K, V and writes its output, 8h. TP splits the MLP and attention parts,
+    sequence parallelism the rest too, CP everything. The backward moves twice the forward's bytes (reads the saved
+    inputs and the incoming gradient, writes the outgoing one); full recompute repeats the forward's, selective
+    the attention's."""
+    tokens = micro_batch * model.seq / c.cp
+    h, ffn = model.hidden, model.token_ffn or model.ffn or 4 * model.hidden
+    rest = 22 * h * tokens / (c.tp if c.sp else 1)
+    mlp = (6 if model.swiglu else 4) * ffn * tokens / c.tp
+    scores = 13 * model.heads * model.seq if c.attention == "materialized" else 8 * h
+    attention = scores * tokens / c.tp
+    forward = rest + mlp + attention
+    recomputed = forward if c.recompute == "full" else attention if c.recompute == "selective" else 0.0
+    return 3 * forward + recomputed
+
+
+def layer_seconds(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, precision: str) -> float:
+    """One transformer layer, one microbatch, one GPU, forward, backward and recompute: its matmuls at the
+    profile's ``matmul_efficiency`` of peak, its attention scores at the kernel's (:func:`_attention_efficiency`)
+    and its element-wise kernels at the memory bandwidth (:func:`elementwise_bytes`), one after the other."""
+    tokens = micro_batch * model.seq / c.cp / c.tp  # what a GPU's share of the matmuls amounts to
+    matmul = 2 * layer_params(model) * tokens * (3 + RECOMPUTE_PASSES[c.recompute])
+    attention = attention_flops_per_token(model, c.attention) / model.layers * tokens
+    attention *= 1 + (c.recompute != "none") / 3
+    return (
+        matmul / _rate(profile, precision, profile.matmul_efficiency)
+        + attention / _rate(profile, precision, _attention_efficiency(profile, c.attention))
+        + elementwise_bytes(model, c, micro_batch) / profile.hbm_bandwidth
+    )
+
+
+def head_seconds(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, precision: str) -> float:
+    """The output head of one microbatch on the last stage, forward and backward, split by TP: 6 h V FLOPs a token
+    (not recomputed). The input embedding is a lookup; its 6 h V of the 6N count is not executed."""
+    if not model.vocab:
+        return 0.0
+    tokens = micro_batch * model.seq / c.cp / c.tp
+    return 6 * model.hidden * model.vocab * tokens / _rate(profile, precision, profile.matmul_efficiency)
+
+
+def stage_layers(model: Model, pp: int) -> tuple[int, int]:
+    """Layers of a full stage, ceil(L/p), and of the last stage: one fewer when the layers do not split evenly
+    (:func:`splits_layers`: Llama 3's last stage holds the head instead of a layer, §3.3.2)."""
+    full = math.ceil(model.layers / pp)
+    return full, full - (pp * full > model.layers)
+
+
+def stage_seconds(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, precision: str) -> float:
+    """One microbatch's compute on the slowest stage: a full stage's layers, or the last stage's with the output
+    head (:func:`head_seconds`), whichever is longer; every stage runs at the slowest one's pace."""
+    full, last = stage_layers(model, c.pp)
+    layer = layer_seconds(model, c, micro_batch, profile, precision)
+    return max(full * layer, last * layer + head_seconds(model, c, micro_batch, profile, precision))
+
+
+def schedule_costs(recompute: str) -> Costs:
+    """F, B (input gradient) and W (weight gradient) of a layer in units of its forward: the backward is twice the
+    forward, split evenly into B and W (Qi et al. 2023, §2); full recompute runs the forward again before B."""
+    return Costs(1.0, 1.0 + RECOMPUTE_PASSES[recompute], 1.0)
+
+
+def tp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+    """TP's collectives on the slowest stage, not overlapped (``TIME_MODEL_ASSUMPTIONS``): per layer and
+    microbatch 4 all-reduces of b x s/cp x h 16-bit values (2 forward, 2 backward; with sequence parallelism
+    all-gathers and reduce-scatters of the same bytes), 2 more when full recompute runs the forward again, on the
+    TP group's link (Narayanan et al. 2021, §3.3; Korthikanti et al. 2022, §4.2.2)."""
+    if c.tp == 1:
+        return 0.0
+    size = 2 * micro_batch * model.seq / c.cp * model.hidden
+    one = _time_on(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["tp"], gpus_per_node, "all_reduce", size)
+    return (4 + 2 * RECOMPUTE_PASSES[c.recompute]) * stage_layers(model, c.pp)[0] * c.microbatches * one
+
+
+def pp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+    """Point-to-point traffic, not overlapped: per microbatch and model chunk an activation forward and its
+    gradient back, each b x s/cp x h / t 16-bit values (scatter/gather, Narayanan et al. 2021, §4.1; sequence
+    parallelism splits them the same way); the interleaved schedule sends v times as many (§2.2.2)."""
+    if c.pp == 1:
+        return 0.0
+    size = 2 * micro_batch * model.seq / c.cp * model.hidden / c.tp
+    one = _time_on(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["pp"], gpus_per_node, "send", size)
+    return 2 * c.chunks * c.microbatches * one
 
 
 def _kv_width(model: Model, tp: int) -> float:
@@ -619,7 +820,8 @@ def cp_comm_exposed(
     block = micro_batch * model.seq / c.cp
     bandwidth, latency, _ = link(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["cp"], gpus_per_node)
     comm = collective_time("send", 2 * 2 * block * _kv_width(model, c.tp), 2, bandwidth, latency)
-    compute = 2 * block * model.seq / c.cp * model.hidden / c.tp / (profile.peak_flops[PEAK[precision]] * EFFICIENCY)
+    rate = _rate(profile, precision, _attention_efficiency(profile, c.attention))
+    compute = 2 * block * model.seq / c.cp * model.hidden / c.tp / rate
     return model.layers / c.pp * c.microbatches * 3 * (c.cp - 1) * max(0.0, comm - compute)
 
 
@@ -639,47 +841,30 @@ def ep_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfi
 
 
 def step_time(
-    model: Model,
-    c: Candidate,
-    gpus: int,
-    global_batch: int,
-    micro_batch: int,
-    profile: HardwareProfile,
-    gpus_per_node: int,
-    precision: str,
+    model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int, precision: str
 ) -> dict[str, float]:
-    """A rough time per step, in seconds, by part:
+    """Time per step, in seconds, by part (the assumptions: ``course_lib.hardware.TIME_MODEL_ASSUMPTIONS``):
 
-    * compute: :func:`flops_per_token` x tokens / GPUs at ``EFFICIENCY`` of peak;
-    * TP: per layer and microbatch 4 all-reduces of b x s/cp x h 16-bit values (2 forward, 2 backward; with
-      sequence parallelism all-gathers and reduce-scatters of the same bytes) on the TP group's link, not
-      overlapped (Narayanan et al. 2021, §3.3; Korthikanti et al. 2022, §4.2.2);
-    * bubble: 1F1B idles (p-1)/m of the compute (Narayanan et al. 2021, §2.2.1);
-    * PP: per microbatch an activation forward and its gradient back, each b x s/cp x h / t (scatter/gather, §4.1);
-    * CP: what :func:`cp_comm_exposed` leaves exposed; EP: :func:`ep_comm`;
+    * compute: the microbatches through the slowest stage (:func:`stage_seconds`);
+    * TP: :func:`tp_comm`; CP: what :func:`cp_comm_exposed` leaves exposed; EP: :func:`ep_comm`;
+    * bubble: the schedule's idle over busy time (:func:`course_lib.parallel.schedules.bubble_ratio`: (p-1)/m for
+      1F1B, (p-1)/(v m) interleaved, (p-1)(F+B-W)/(m(F+B+W)) for ZB-H1) times a stage's work, its compute and its
+      TP, CP and EP traffic (Narayanan et al. 2021, §2.2);
+    * PP: :func:`pp_comm`;
     * DP: what :func:`dp_comm_exposed` leaves exposed.
     """
-    tokens = micro_batch * model.seq / c.cp  # a rank's share of a microbatch's tokens
-    compute = flops_per_token(model) * global_batch * model.seq / gpus
-    compute /= profile.peak_flops[PEAK[precision]] * EFFICIENCY
-    ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)
-    tp_s = pp_s = 0.0
-    if c.tp > 1:
-        one = _time_on(profile, ranks["tp"], gpus_per_node, "all_reduce", 2 * tokens * model.hidden)
-        tp_s = 4 * model.layers / c.pp * c.microbatches * one
-    if c.pp > 1:
-        pp_s = (
-            2 * c.microbatches * _time_on(profile, ranks["pp"], gpus_per_node, "send", 2 * tokens * model.hidden / c.tp)
-        )
-    return {
+    compute = c.microbatches * stage_seconds(model, c, micro_batch, profile, precision)
+    parts = {
         "compute_s": compute,
-        "tp_comm_s": tp_s,
-        "bubble_s": compute * (c.pp - 1) / c.microbatches,
-        "pp_comm_s": pp_s,
+        "tp_comm_s": tp_comm(model, c, micro_batch, profile, gpus_per_node),
         "cp_comm_exposed_s": cp_comm_exposed(model, c, micro_batch, profile, gpus_per_node, precision),
         "ep_comm_s": ep_comm(model, c, micro_batch, profile, gpus_per_node),
-        "dp_comm_exposed_s": dp_comm_exposed(model, c, compute, profile, gpus_per_node, precision),
     }
+    ratio = bubble_ratio(c.schedule, c.pp, c.microbatches, c.chunks, schedule_costs(c.recompute))
+    parts["bubble_s"] = ratio * sum(parts.values())
+    parts["pp_comm_s"] = pp_comm(model, c, micro_batch, profile, gpus_per_node)
+    parts["dp_comm_exposed_s"] = dp_comm_exposed(model, c, compute, profile, gpus_per_node, precision)
+    return parts
 
 
 AXES = ("tp", "cp", "pp", "dp", "ep")
@@ -697,7 +882,7 @@ def placement(c: Candidate, profile: HardwareProfile, gpus_per_node: int) -> dic
 
 def evaluate(
     model: Model,
-    layout: Layout | tuple[int, ...],
+    layout: Layout | tuple,
     gpus: int,
     gpus_per_node: int,
     gpu_mem: float,
@@ -706,10 +891,14 @@ def evaluate(
     micro_batch: int,
     precision: str,
     recompute: str,
+    attention: str = "flash",
+    sp: bool | None = None,
 ) -> Candidate:
-    """Memory (:func:`memory_formula`, TP with SP, experts over EP, activations over CP), bubble, step time and
-    placement of one layout (a :class:`Layout`, or its first five fields)."""
-    tp, pp, dp, zero, m, cp, ep = Layout(*layout)
+    """Memory (:func:`memory_formula`, TP with SP unless ``sp`` is False, experts over EP, activations over CP and
+    for an interleaved schedule's chunks), bubble, step time, FLOPs and their rate, and placement of one layout (a
+    :class:`Layout`, or its first five fields)."""
+    tp, pp, dp, zero, m, cp, ep, schedule, chunks = Layout(*layout)
+    sp = tp > 1 if sp is None else sp and tp > 1
     memory = memory_formula(
         model.params,
         precision,
@@ -718,19 +907,36 @@ def evaluate(
         tp,
         pp,
         micro_batch=micro_batch,
-        sp=tp > 1,
+        sp=sp,
         recompute=recompute,
         ep=ep,
         cp=cp,
+        attention=attention,
+        chunks=chunks,
         **model.memory_shape(),
     )
-    fits = memory["total"] <= gpu_mem
-    c = Candidate(tp, pp, dp, zero, m, recompute, fits, memory["total"], 0.0, 0.0, memory, cp=cp, ep=ep)
-    c.bubble_fraction = bubble_formula("1f1b", pp, m)
-    c.time = step_time(model, c, gpus, global_batch, micro_batch, profile, gpus_per_node, precision)
+    c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
+    c.cp, c.ep, c.schedule, c.chunks, c.attention, c.sp = cp, ep, schedule, chunks, attention, sp
+    c.bubble_fraction = bubble_formula(schedule, pp, m, chunks, schedule_costs(recompute)) if pp > 1 else 0.0
+    c.time = step_time(model, c, micro_batch, profile, gpus_per_node, precision)
     c.step_time_s = sum(c.time.values())
+    _throughput(model, c, gpus, global_batch, profile, precision)
     c.placement = placement(c, profile, gpus_per_node)
     return c
+
+
+def _throughput(
+    model: Model, c: Candidate, gpus: int, global_batch: int, profile: HardwareProfile, precision: str
+) -> None:
+    """Fill in the step's model and hardware FLOPs, their rate per GPU and their utilization of the peak."""
+    tokens = global_batch * model.seq
+    c.model_flops = flops_per_token(model) * tokens
+    c.hardware_flops = hardware_flops_per_token(model, c.recompute, c.attention) * tokens
+    per_gpu_second = c.step_time_s * gpus
+    c.tflops_per_gpu = c.model_flops / per_gpu_second / 1e12
+    c.hardware_tflops_per_gpu = c.hardware_flops / per_gpu_second / 1e12
+    c.mfu = c.model_flops / per_gpu_second / profile.peak_flops[PEAK[precision]]
+    c.hfu = c.hardware_flops / per_gpu_second / profile.peak_flops[PEAK[precision]]
 
 
 def _rank(cands: list[Candidate]) -> list[Candidate]:
@@ -801,6 +1007,155 @@ def plan(
     )
     result.reasons = explain(result, profile, tree_best, tries[0][0], without_cp)
     return result
+
+
+def evaluate_layout(
+    model: Model | str | float,
+    gpus: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int | None = None,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    micro_batch: int = 1,
+    global_batch: int | None = None,
+    recompute: str = "none",
+    hardware: str = "h100",
+    gpus_per_node: int | None = None,
+    gpu_mem_bytes: float | None = None,
+    precision: str = "mixed",
+    attention: str = "flash",
+    sp: bool | None = None,
+) -> Candidate:
+    """One given layout of ``model`` (a :class:`Model`, a preset name or a parameter count) on ``gpus`` GPUs, as
+    the planner evaluates its own (:func:`evaluate`): memory, step time and its parts, FLOPs, TFLOP/s per GPU and
+    MFU. DP defaults to the GPUs the other axes leave, the global batch to the model's published one (else
+    ``DEFAULT_GLOBAL_BATCH``), ZeRO to the lowest stage that fits (the lowest of all if none does), SP to TP > 1.
+    A layout that cannot run raises ValueError saying how to fix it (:func:`check_layout`)."""
+    model = _as_model(model)
+    profile = get_profile(hardware)
+    per_node = gpus_per_node or profile.gpus_per_node
+    batch = global_batch or model.global_batch or DEFAULT_GLOBAL_BATCH
+    _check(gpus, per_node, batch, micro_batch, precision)
+    dp = dp if dp is not None else max(1, gpus // (tp * cp * pp))
+    check_layout(model, gpus, tp, pp, dp, cp, ep, zero, schedule, chunks, micro_batch, batch, recompute, attention)
+    m = batch // (dp * micro_batch)
+    zeros = [zero] if zero is not None else [0, 1, 2] + [3] * (tp == pp == 1) if dp * cp > 1 else [0]
+    tried = [
+        evaluate(
+            model,
+            Layout(tp, pp, dp, z, m, cp, ep, schedule, chunks),
+            gpus,
+            per_node,
+            gpu_mem_bytes or profile.memory_bytes,
+            profile,
+            batch,
+            micro_batch,
+            precision,
+            recompute,
+            attention,
+            sp,
+        )
+        for z in zeros
+    ]
+    return next((c for c in tried if c.fits), tried[0])
+
+
+def check_layout(
+    model: Model,
+    gpus: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    ep: int,
+    zero: int | None,
+    schedule: str,
+    chunks: int,
+    micro_batch: int,
+    global_batch: int,
+    recompute: str,
+    attention: str,
+) -> None:
+    """Refuse a layout that cannot run, in one sentence that says what to change."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
+    _check_degrees(model, gpus, tp, pp, dp, cp, ep)
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {zero}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+    m, rest = divmod(global_batch, dp * micro_batch)
+    if rest:
+        raise ValueError(
+            f"a global batch of {global_batch} sequences does not split into micro-batches of {micro_batch} over "
+            f"DP {dp}: make the global batch a multiple of DP x micro-batch = {dp * micro_batch}"
+        )
+    _check_schedule(model, pp, dp, m, schedule, chunks, micro_batch)
+
+
+def _check_degrees(model: Model, gpus: int, tp: int, pp: int, dp: int, cp: int, ep: int) -> None:
+    if tp * cp * pp * dp != gpus:
+        rest, left = divmod(gpus, tp * cp * pp)
+        fix = f"give DP {rest}" if not left else f"choose degrees whose product is {gpus}"
+        raise ValueError(f"TP {tp} x CP {cp} x PP {pp} x DP {dp} = {tp * cp * pp * dp} GPUs, not {gpus}: {fix}")
+    if model.heads % tp:
+        raise ValueError(
+            f"TP {tp} does not divide the {model.heads} attention heads: choose a TP that divides {model.heads}"
+        )
+    if not splits_layers(model.layers, pp):
+        raise ValueError(
+            f"{model.layers} layers do not split into {pp} stages (ceil(L/p) layers each, at most {SHORT_STAGES} "
+            f"stages one layer short): choose PP among {[p for p in _divisors(gpus) if splits_layers(model.layers, p)]}"
+        )
+    if cp > 1 and model.seq % (2 * cp):
+        raise ValueError(
+            f"CP {cp} cuts each sequence into 2 x CP = {2 * cp} chunks: seq {model.seq} is not a multiple of "
+            f"{2 * cp}; choose another CP or sequence length"
+        )
+    if ep > 1 and not model.experts:
+        raise ValueError(f"EP {ep} needs a mixture of experts; {model.name} has none: use EP 1")
+    if ep > 1:
+        model.experts.check(model.layers, ep)
+        if (tp * cp * dp) % ep:
+            raise ValueError(f"EP {ep} is carved out of TP x CP x DP = {tp * cp * dp} ranks: choose an EP dividing it")
+
+
+def _check_schedule(model: Model, pp: int, dp: int, m: int, schedule: str, chunks: int, micro_batch: int) -> None:
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if chunks > 1 and schedule != "interleaved":
+        raise ValueError(f"{chunks} chunks per rank need the interleaved schedule, not {schedule}")
+    if pp == 1:
+        if schedule != "1f1b":
+            raise ValueError(f"the {schedule} schedule needs a pipeline: give PP of at least 2")
+        return
+    if m < pp:
+        raise ValueError(
+            f"{m} microbatches per DP rank are fewer than the {pp} pipeline stages: raise the global batch to at "
+            f"least PP x DP x micro-batch = {pp * dp * micro_batch} sequences, or use fewer stages"
+        )
+    if schedule == "interleaved":
+        stage = math.ceil(model.layers / pp)
+        if chunks < 2:
+            raise ValueError("the interleaved schedule needs at least 2 chunks per rank: give chunks (v) of 2 or more")
+        if m % pp:
+            raise ValueError(
+                f"the interleaved schedule runs microbatches in groups of PP = {pp} (Megatron-LM): {m} microbatches "
+                f"per DP rank are not a multiple of {pp}; make the global batch a multiple of {pp * dp * micro_batch}"
+            )
+        if stage % chunks:
+            raise ValueError(
+                f"{chunks} chunks do not divide a stage's {stage} layers: choose v among "
+                f"{[v for v in _divisors(stage) if v > 1]}"
+            )
 
 
 def _tries(
@@ -984,31 +1339,71 @@ def _placement_reasons(p: Plan) -> list[str]:
 
 
 def _pipeline_reason(p: Plan) -> str:
-    text = (
-        f"1F1B over {p.pp} stages with {p.microbatches} microbatches of {p.micro_batch} per DP rank: bubble "
-        f"(p-1)/(m+p-1) = {p.bubble_fraction:.1%}; the first stage keeps {p.pp} microbatches of its layers in "
-        f"flight, one microbatch's worth of all {p.model.layers} layers."
+    bubble = {
+        "1f1b": "(p-1)/(m+p-1)",
+        "interleaved": "(p-1)/(v m+p-1)",
+        "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))",
+    }[p.schedule]
+    memory = (
+        f"1 + (p-1)/(p v) = {interleaved_activation_factor(p.pp, p.chunks):.3g} times that"
+        if p.schedule == "interleaved"
+        else "the same"
     )
+    text = (
+        f"{_schedule_sentence(p)} over {p.pp} stages with {p.microbatches} microbatches of {p.micro_batch} per DP "
+        f"rank: bubble {bubble} = {p.bubble_fraction:.1%}. 1F1B's first stage keeps {p.pp} microbatches of its layers "
+        f"in flight, one microbatch's worth of all {p.model.layers} layers; {schedule_name(p.schedule, p.chunks)} "
+        f"holds {memory}."
+    )
+    same = (p.tp, p.cp, p.pp, p.dp, p.ep, p.zero, p.recompute)
+    rest = sorted(
+        (
+            c
+            for c in p.candidates
+            if (c.tp, c.cp, c.pp, c.dp, c.ep, c.zero, c.recompute) == same
+            and (c.schedule, c.chunks) != (p.schedule, p.chunks)
+        ),
+        key=lambda c: (not c.fits, c.step_time_s),
+    )
+    if rest:
+        text += " The same layout with other schedules: " + ", ".join(
+            f"{schedule_name(c.schedule, c.chunks)} {c.step_time_s:.3g} s" + ("" if c.fits else " (does not fit)")
+            for c in rest[:4]
+        )
+        text += "."
     short = p.pp * math.ceil(p.model.layers / p.pp) - p.model.layers
     if short:
         text += (
             f" {p.model.layers} layers do not split evenly into {p.pp} stages: {short} of them "
-            f"{'(first, last) ' if short <= 2 else ''}get one layer fewer, as in Llama 3; memory is the even "
-            f"split's, as the memory command computes it."
+            f"{'(first, last) ' if short <= 2 else ''}get one layer fewer, as in Llama 3; memory counts "
+            f"{p.model.layers}/{p.pp} layers a stage and the embedding on the busiest, as the memory command does."
         )
     return text
 
 
+def _schedule_sentence(p: Candidate) -> str:
+    return {
+        "1f1b": "1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1)",
+        "interleaved": f"Interleaved 1F1B with v = {p.chunks} chunks per rank (Narayanan et al. 2021, §2.2.2)",
+        "zb-h1": "ZB-H1 (Qi et al. 2023, §3.1: the weight-gradient passes fill the waits)",
+    }[p.schedule]
+
+
 def _time_reason(p: Plan, profile: HardwareProfile) -> str:
     t = p.time
+    peak = profile.peak_flops[PEAK[p.precision]]
     text = (
-        f"Estimated step {p.step_time_s:.3g} s: compute {t['compute_s']:.3g} s "
-        f"({EFFICIENCY:.0%} of {profile.peak_flops[PEAK[p.precision]] / 1e12:g} TFLOP/s"
-        + (f", {p.model.active_params / 1e9:.1f}B active parameters a token" if p.model.experts else "")
+        f"Estimated step {p.step_time_s:.3g} s: compute {t['compute_s']:.3g} s (matmuls at "
+        f"{profile.matmul_efficiency:.0%} of {peak / 1e12:g} TFLOP/s, attention at {profile.attention_efficiency:.0%}, "
+        f"element-wise work at {profile.hbm_bandwidth / 1e12:g} TB/s"
+        + (f"; {p.model.active_params / 1e9:.1f}B active parameters a token" if p.model.experts else "")
         + f"), bubble {t['bubble_s']:.3g} s, TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} s, "
         + (f"CP ring exposed {t['cp_comm_exposed_s']:.3g} s, " if p.cp > 1 else "")
         + (f"EP all-to-all {t['ep_comm_s']:.3g} s, " if p.ep > 1 else "")
-        + f"exposed DP {t['dp_comm_exposed_s']:.3g} s."
+        + f"exposed DP {t['dp_comm_exposed_s']:.3g} s: {p.tflops_per_gpu:.0f} TFLOP/s per GPU of model FLOPs, MFU "
+        f"{p.mfu:.1%}"
+        + (f" ({p.hardware_tflops_per_gpu:.0f} TFLOP/s with the recomputed forward)" if p.recompute != "none" else "")
+        + "."
     )
     if p.zero >= 2 and t["dp_comm_exposed_s"] > t["compute_s"] / 4:
         text += (
@@ -1036,8 +1431,9 @@ def _alternative_reasons(p: Plan) -> list[str]:
 
 # Why a published layout can be estimated slower than the choice, by the part of the step that differs most.
 SLOWER_BECAUSE = {
-    "bubble_s": "this estimate models 1F1B; Llama 3 interleaves its stages and DeepSeek-V3 runs DualPipe, both "
-    "with smaller bubbles",
+    "bubble_s": "its pipeline idles more, even with the schedule that suits it best among those that fit here; "
+    "Llama 3 interleaves its stages and DeepSeek-V3 runs DualPipe, both idling less for more activation memory than "
+    "this memory model leaves",
     "ep_comm_s": "the all-to-alls are not overlapped here; DeepSeek-V3's DualPipe hides them behind another "
     "microbatch's compute and its routing sends each token to at most 4 nodes (§3.2.1-3.2.2)",
     "tp_comm_s": "TP's all-reduces in every layer are not overlapped",
@@ -1072,19 +1468,24 @@ def _published_reason(p: Plan, c: Candidate | None) -> str:
 def published_candidate(p: Plan) -> Candidate | None:
     """The published layout (:attr:`Model.published`) evaluated as the planner evaluates its own, on the plan's
     GPUs and batch: at its ZeRO stage where the source states one, else the lowest that fits; without recompute
-    if that fits, else selective. None if its axes do not split the batch."""
+    if that fits, else selective; with the fastest schedule that fits (:func:`pipeline_schedules`). None if its
+    axes do not split the batch."""
     pub = {axis: p.model.published.get(axis, 1) for axis in AXES}
     m, rest = divmod(p.global_batch, pub["dp"] * p.micro_batch)
     if rest or m < pub["pp"]:
         return None
     zeros = [p.model.published["zero"]] if "zero" in p.model.published else [0, 1, 2]
     args = (p.gpus, p.gpus_per_node, p.gpu_mem_bytes, get_profile(p.hardware), p.global_batch, p.micro_batch)
-    tried = [
-        evaluate(p.model, Layout(pub["tp"], pub["pp"], pub["dp"], zero, m, pub["cp"], pub["ep"]), *args, p.precision, r)
-        for r in ("none", "selective")
-        for zero in zeros
-    ]
-    return next((c for c in tried if c.fits), tried[-1])
+    schedules = pipeline_schedules(p.model.layers, pub["pp"], m)
+    tried = []
+    for recompute in ("none", "selective"):
+        for zero in zeros:
+            sizes = (pub["tp"], pub["pp"], pub["dp"], zero, m, pub["cp"], pub["ep"])
+            tried = [evaluate(p.model, Layout(*sizes, *s), *args, p.precision, recompute) for s in schedules]
+            fitting = [c for c in tried if c.fits]
+            if fitting:
+                return min(fitting, key=lambda c: c.step_time_s)
+    return tried[0]
 
 
 def published_gpus(published: dict[str, int]) -> int:

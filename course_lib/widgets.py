@@ -88,7 +88,7 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
     timeline and its bubble are redrawn beside the paper's formula. Chunks are enabled for the interleaved schedule
     only; W stays enabled for all, since a schedule that does not split the backward runs W inside B (B costs
     B + W). ``result`` is the figure drawn, None if the sizes do not suit the schedule."""
-    from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, generate, simulate
+    from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, formula_text, generate, simulate
 
     def draw(
         schedule: str, stages: int, microbatches: int, chunks: int, f: float, b: float, w: float
@@ -106,7 +106,7 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
         plt.show()
         formula = bubble_formula(schedule, stages, microbatches, chunks, Costs(f, b, w))
         print(
-            f"bubble {sim.bubble_fraction:.4f}; the paper's formula: {formula:.4f}; "
+            f"bubble {sim.bubble_fraction:.4f}; the paper's {formula_text(formula)}; "
             f"peak microbatches in flight per rank: {sim.peak_inflight}"
         )
         return fig

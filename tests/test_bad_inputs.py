@@ -142,7 +142,7 @@ BAD = (
         (["memory", "--layers", "2", "--hidden", "64"], "give --preset NAME, --params N"),
         (["memory", "--preset", "llama3-9b"], "unknown preset 'llama3-9b'; choose one of"),
         (["memory", "--preset", "llama3-8b", "--hidden", "64"], "--preset gives the model's dims; drop --hidden"),
-        (["memory", "--preset", "llama3-8b", "--pp", "2", "--chunks", "3"], "choose chunks dividing layers / pp"),
+        (["memory", "--preset", "llama3-8b", "--pp", "4", "--chunks", "9"], "choose chunks of at most layers / pp"),
         (["memory", "--params", "7e9", "--precision", "bf16"], "invalid choice: 'bf16'"),
         (
             [

@@ -248,6 +248,17 @@ def test_schedule_command_answers_with_bubble_makespan_and_actions(capsys, tmp_p
         main(["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--chunks", "2"])
 
 
+def test_schedule_command_gives_no_zb_h1_formula_where_it_does_not_hold(capsys):
+    # W = 3 outlasts the waits it would fill: Qi et al.'s closed form gives a negative bubble there; the simulated
+    # table idles 3 units per stage of 43, 7%.
+    argv = ["schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--w", "3"]
+    data = run_json(capsys, *argv)
+    assert data["bubble_formula"] is None and data["bubble_fraction"] == pytest.approx(3 / 43)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bubble fraction 0.0698 (formula: none here; Qi et al.'s ZB-H1 closed form holds" in out and "-0." not in out
+
+
 def test_run_pp_reports_its_bubble(capsys):
     data = run_json(
         capsys,

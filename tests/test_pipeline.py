@@ -1,12 +1,14 @@
 """Pipeline parallelism: schedule tables checked and simulated in pure Python against the papers' bubbles, then
 executed on real ranks against one device, with the ledger and memory against the predictions."""
 
+import itertools
+
 import pytest
 
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers
-from course_lib.parallel.schedules import Action, Costs, bubble_formula, check, generate, simulate
+from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, check, generate, simulate
 from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(layers=4)
@@ -121,3 +123,32 @@ def test_first_stage_keeps_m_microbatches_under_gpipe_and_p_under_1f1b():
         for s in ("gpipe", "1f1b")
     }
     assert peaks["gpipe"] == peaks["1f1b"] * m // p
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 4), (3, 2), (4, 4), (4, 8), (5, 7)])
+def test_zb_h1_formula_is_given_only_where_it_is_the_simulated_bubble(p, m):
+    shown = 0
+    for f, b, w in itertools.product((0.5, 1, 1.5, 2), (0.5, 1, 2, 3), (0, 0.5, 1, 2, 3)):
+        costs = Costs(f, b, w)
+        sim = simulate(generate("zb-h1", p, m, costs=costs), costs)
+        formula = bubble_formula("zb-h1", p, m, costs=costs)
+        assert formula is None or formula == pytest.approx(sim.bubble_fraction, rel=1e-12), (f, b, w)
+        shown += formula is not None
+    assert shown and (bubble_formula("zb-h1", p, m, costs=Costs(1, 1, 1)) is None) == (m < p)
+
+
+def test_zb_h1_has_no_closed_form_where_w_outlasts_the_waits():
+    # W = 3 > F = B = 1: Qi et al.'s (p-1)(F+B-W) would be a negative idle; the table idles (p-1)(F+B-min(F,B,W)).
+    costs = Costs(1, 1, 3)
+    sim = simulate(generate("zb-h1", 4, 8, costs=costs), costs)
+    assert sim.idle == [3.0] * 4 and sim.bubble_fraction == pytest.approx(3 / 43)
+    assert bubble_formula("zb-h1", 4, 8, costs=costs) is None and bubble_ratio("zb-h1", 4, 8, costs=costs) is None
+    assert bubble_formula("zb-h1", 4, 3, costs=Costs(1, 1, 1)) is None  # fewer microbatches than stages
+    assert bubble_formula("zb-h1", 4, 3, costs=Costs(1, 1, 0)) == pytest.approx(3 / 6)  # no W: 1F1B's
+
+
+def test_bubble_ratio_is_idle_over_busy():
+    assert bubble_ratio("1f1b", 16, 16) == pytest.approx(15 / 16)
+    assert bubble_ratio("interleaved", 16, 16, 8) == pytest.approx(15 / 128)
+    assert bubble_ratio("zb-h1", 16, 16, costs=Costs(1, 1, 1)) == pytest.approx(15 / 48)
+    assert bubble_ratio("zb-h1", 16, 16, costs=Costs(1, 2, 1)) == pytest.approx(15 * 2 / (16 * 4))

@@ -275,14 +275,56 @@ def check(tables: list[list[Action]], microbatches: int, chunks: int = 1) -> Non
         raise ValueError("the tables deadlock: " + ", ".join(f"rank {r} waits at {a}" for r, a in stuck))
 
 
-def bubble_formula(schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs = Costs()) -> float:
+ZB_H1_RANGE = (
+    "Qi et al.'s ZB-H1 closed form holds for this table when m >= p and F and B are whole multiples of W (or W = 0): "
+    "then every wait a deferred W fills is a whole number of W's; elsewhere only the simulation tells"
+)
+
+
+def zb_h1_formula_holds(stages: int, microbatches: int, costs: Costs) -> bool:
+    """Whether :func:`bubble_formula`'s ZB-H1 closed form is this module's ZB-H1 table's idle time
+    (``ZB_H1_RANGE``). Qi et al. 2023 (§3.1) derive it for T_W no more than T_F and T_B, with at least p
+    microbatches; the greedy table here places a deferred W in a rank's wait only whole, so a wait that is not a
+    whole number of W's is overrun (W > F or B: the idle grows back towards 1F1B's) or left part empty. Checked
+    against :func:`simulate` over a grid of p, m, F, B and W in ``tests/test_pipeline.py``."""
+    if costs.w == 0:
+        return True
+    if microbatches < stages or costs.w > costs.b:
+        return False
+    return all(abs(x / costs.w - round(x / costs.w)) < 1e-9 for x in (costs.f, costs.b))
+
+
+def bubble_formula(
+    schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs = Costs()
+) -> float | None:
     """The idle fraction the papers give: (p-1)/(m+p-1) for GPipe and 1F1B (whatever F and B cost),
-    (p-1)/(v m+p-1) interleaved, and for ZB-H1 an idle (p-1)(T_F+T_B-T_W) per stage over a step of
-    m(T_F+T_B+T_W) plus that idle (Qi et al. 2023, §3.1)."""
+    (p-1)/(v m+p-1) interleaved (Narayanan et al. 2021, §2.2.2), and for ZB-H1 an idle (p-1)(T_F+T_B-T_W) per
+    stage over a step of m(T_F+T_B+T_W) plus that idle (Qi et al. 2023, §3.1), where that closed form holds
+    (:func:`zb_h1_formula_holds`); None where it does not (the simulation is the answer there)."""
     p, m = stages, microbatches
     if schedule == "interleaved":
         return (p - 1) / (chunks * m + p - 1)
     if schedule == "zb-h1":
+        if not zb_h1_formula_holds(p, m, costs):
+            return None
         idle = (p - 1) * (costs.f + costs.b - costs.w)
         return idle / (m * (costs.f + costs.b + costs.w) + idle)
     return (p - 1) / (m + p - 1)
+
+
+def formula_text(formula: float | None) -> str:
+    """How the command line and the schedule explorer show :func:`bubble_formula`: "formula: 0.2727", or why
+    there is none (never a negative bubble)."""
+    if formula is None:
+        return "formula: none here; " + ZB_H1_RANGE
+    return f"formula: {formula:.4f}"
+
+
+def bubble_ratio(
+    schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs = Costs()
+) -> float | None:
+    """A stage's idle time over its busy time, the factor the planner multiplies a stage's work by: (p-1)/m for
+    1F1B, (p-1)/(v m) interleaved, (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) for ZB-H1; :func:`bubble_formula`'s
+    fraction f as f / (1 - f). None where the closed form does not hold."""
+    f = bubble_formula(schedule, stages, microbatches, chunks, costs)
+    return None if f is None else f / (1 - f)

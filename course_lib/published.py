@@ -1,0 +1,273 @@
+"""Published training throughput, row by row, beside the planner's estimate of it.
+
+Thirteen runs whose layout, batch and recompute are all known, the check on :func:`course_lib.plan.step_time`:
+
+* Narayanan et al. 2021 (SC21), "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+  Table 1: ten GPT models from 1.7B to 1T parameters on 32 to 3072 A100s (80 GB, Selene). The micro-batch, the
+  interleaving (``--num-layers-per-virtual-pipeline-stage``), full recompute and fp16 come from Megatron-LM's
+  ``examples/sc21/run_table_1.sh`` and ``CONFIG.sh`` (commit 6985e589, the one the scripts' README names for these
+  results); the paper's own eq. (3) turns a step into its "teraFLOP/s per GPU": hardware FLOPs, the recomputed
+  forward counted, attention unmasked.
+* Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on 8,192 and 16,384 H100s at 8K
+  tokens and on 16,384 at 128K, BF16, an interleaved schedule (§3.3.2), no activation recompute at 8K (§3.3.2; none
+  stated at 128K either). Its TFLOP/s per GPU is "BF16 MFU" (Chowdhery et al. 2023) without a formula: compared
+  here as the planner's model FLOPs, 6N plus causal attention (:func:`course_lib.plan.flops_per_token`).
+
+The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
+(:data:`course_lib.hardware.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about the
+run, and where a source is silent (Llama 3's chunks per rank and micro-batch) the assumption is written in ``run``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from course_lib.memory import params_from_dims
+from course_lib.plan import PRESETS, Candidate, Model, evaluate_layout
+
+_N21 = "Narayanan et al. 2021 (SC21), Table 1"
+_N21_RUN = (
+    "micro-batch and interleaving from Megatron-LM examples/sc21/run_table_1.sh (commit 6985e589); full recompute "
+    "(--activations-checkpoint-method uniform, every layer), fp16, no ZeRO, no sequence parallelism (2021); "
+    "attention writes its scores to memory (no FlashAttention in 2021)"
+)
+_L3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 4"
+_L3_RUN = (
+    "BF16; FSDP that keeps the gathered weights through the step and reduce-scatters the gradients once (§3.3.2), "
+    "costed as ZeRO-1; interleaved schedule (§3.3.2) with v = 8, one layer slot per chunk: the first chunk of the "
+    "first stage holds only the embedding and the last of the last only the head, and 126 layers + 2 = 128 slots = "
+    "16 stages x 8 (an inference, V is not published); micro-batch 1 (Batch size/DP sequences a DP rank, one per "
+    "microbatch; not published); no recompute (§3.3.2 at 8K, none stated at 128K); FlashAttention-style attention "
+    "and sequence parallelism assumed"
+)
+SEQ_N21, VOCAB_N21 = 2048, 51200  # Narayanan et al. 2021, §5.1
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One published run: where it is printed, the model, the layout and how it ran, what it reached, and how its
+    source counts FLOPs (``convention``: "eq3", Narayanan et al. 2021's eq. (3); "model", 6N + causal attention).
+    ``printed`` holds the numbers as the source prints them where a field here differs or is derived."""
+
+    source: str
+    row: str
+    model: Model
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+    tflops_per_gpu: float  # published
+    peak_fraction: float  # published: "% of theoretical peak" (eq. 3) or "BF16 MFU"
+    convention: str
+    hardware: str
+    precision: str  # as run: fp16 or bf16 (the planner's "mixed")
+    recompute: str
+    attention: str
+    sp: bool
+    zero: int
+    cp: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    printed: tuple[tuple[str, float], ...] = ()
+    run: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.source}, {self.row}"
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch * self.model.seq
+
+
+def _narayanan(
+    params: float, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, micro: int, v: int
+) -> tuple[Model, dict]:
+    model = Model(
+        f"gpt-{params:g}b",
+        params_from_dims(layers, hidden, VOCAB_N21, SEQ_N21),
+        layers,
+        hidden,
+        heads,
+        SEQ_N21,
+        global_batch=batch,
+        vocab=VOCAB_N21,
+        source=f"{_N21}: {params:g}B parameters, {layers} layers, hidden {hidden}, {heads} heads",
+    )
+    layout = {"tp": tp, "pp": pp, "dp": gpus // (tp * pp), "micro_batch": micro, "global_batch": batch}
+    if v > 1:
+        layout |= {"schedule": "interleaved", "chunks": v}
+    return model, layout
+
+
+def _narayanan_row(
+    params: float,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    peak: float,
+    pflops: float,
+    micro: int,
+    v: int,
+) -> PublishedRow:
+    model, layout = _narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, micro, v)
+    return PublishedRow(
+        _N21,
+        f"{params:g}B row",
+        model,
+        gpus,
+        tflops_per_gpu=tflops,
+        peak_fraction=peak,
+        convention="eq3",
+        hardware="a100",
+        precision="fp16",
+        recompute="full",
+        attention="materialized",
+        sp=False,
+        zero=0,
+        printed=(("params_billions", params), ("aggregate_pflops", pflops)),
+        run=_N21_RUN,
+        **layout,
+    )
+
+
+# params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU, % of peak, aggregate PFLOP/s (Table 1);
+# micro-batch and v (run_table_1.sh: v = layers per stage / --num-layers-per-virtual-pipeline-stage).
+NARAYANAN_2021 = tuple(
+    _narayanan_row(*r)
+    for r in (
+        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 0.44, 4.4, 16, 1),
+        (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 0.44, 8.8, 16, 1),
+        (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 0.46, 18.2, 16, 1),
+        (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43, 34.6, 8, 1),
+        (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44, 70.8, 4, 1),  # no virtual stages in the script: 1F1B
+        (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45, 143.8, 2, 3),
+        (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47, 227.1, 2, 2),
+        (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50, 297.4, 1, 2),
+        (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52, 410.2, 1, 3),
+        (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52, 502.0, 1, 1),  # no virtual stages: 1F1B
+    )
+)
+
+_LLAMA3_405B = PRESETS["llama3-405b"]
+_LLAMA3_ROW = {
+    "source": _L3,
+    "tp": 8,
+    "pp": 16,
+    "micro_batch": 1,
+    "convention": "model",
+    "hardware": "h100",
+    "precision": "bf16",
+    "recompute": "none",
+    "attention": "flash",
+    "sp": True,
+    "zero": 1,
+    "schedule": "interleaved",
+    "chunks": 8,
+    "run": _L3_RUN,
+}
+LLAMA3_2024 = (
+    PublishedRow(
+        row="row 1 (8,192 GPUs, 8K)",
+        model=replace(_LLAMA3_405B, seq=8192, global_batch=2048),
+        gpus=8192,
+        dp=64,
+        global_batch=2048,
+        tflops_per_gpu=430,
+        peak_fraction=0.43,
+        printed=(("batch_per_dp", 32), ("tokens_per_batch_m", 16)),
+        **_LLAMA3_ROW,
+    ),
+    PublishedRow(
+        row="row 2 (16,384 GPUs, 8K)",
+        model=replace(_LLAMA3_405B, seq=8192, global_batch=2048),
+        gpus=16384,
+        dp=128,
+        global_batch=2048,
+        tflops_per_gpu=400,
+        peak_fraction=0.41,
+        printed=(("batch_per_dp", 16), ("tokens_per_batch_m", 16)),
+        **_LLAMA3_ROW,
+    ),
+    # Printed with DP 4, a slip: TP 8 x CP 16 x PP 16 x DP 4 makes 8,192 GPUs, not the row's 16,384, and 4 x 16
+    # sequences of 131,072 tokens make 8M tokens, not the row's 16M; DP 8 satisfies both (and the planner's
+    # llama3-405b-128k preset keeps the printed 4 on the 8,192 GPUs it makes).
+    PublishedRow(
+        row="row 3 (16,384 GPUs, 128K; DP printed as 4, 8 used)",
+        model=replace(PRESETS["llama3-405b-128k"], global_batch=128),
+        gpus=16384,
+        dp=8,
+        cp=16,
+        global_batch=128,
+        tflops_per_gpu=380,
+        peak_fraction=0.38,
+        printed=(("dp", 4), ("batch_per_dp", 16), ("tokens_per_batch_m", 16)),
+        **_LLAMA3_ROW,
+    ),
+)
+ROWS = NARAYANAN_2021 + LLAMA3_2024
+
+
+def narayanan_flops(row: PublishedRow) -> float:
+    """FLOPs of one iteration by Narayanan et al. 2021's eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh), the matmuls of
+    forward, backward and the recomputed forward, attention unmasked, the logits not recomputed (Appendix)."""
+    m = row.model
+    s, h, layers, vocab = m.seq, m.hidden, m.layers, m.vocab
+    return 96 * row.global_batch * s * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+@dataclass
+class Estimate:
+    """The planner's estimate of a published row: its evaluation of the layout (:class:`Candidate`, the step
+    time and its parts) and the TFLOP/s per GPU it implies under the row's own FLOP convention."""
+
+    row: PublishedRow
+    candidate: Candidate
+    tflops_per_gpu: float
+
+    @property
+    def ratio(self) -> float:
+        """Estimated over published TFLOP/s per GPU."""
+        return self.tflops_per_gpu / self.row.tflops_per_gpu
+
+    def breakdown(self) -> str:
+        """The step time and its parts, in seconds, for messages and notes."""
+        parts = ", ".join(f"{k[:-2]} {v:.3g}" for k, v in self.candidate.time.items() if v)
+        return f"step {self.candidate.step_time_s:.3g} s ({parts})"
+
+
+def estimate(row: PublishedRow) -> Estimate:
+    """Evaluate the row's layout with :func:`course_lib.plan.evaluate_layout` on its hardware profile and count its
+    step's FLOPs as its source does: eq. (3) for Narayanan et al. 2021, the planner's model FLOPs for Llama 3."""
+    c = evaluate_layout(
+        row.model,
+        row.gpus,
+        tp=row.tp,
+        pp=row.pp,
+        dp=row.dp,
+        cp=row.cp,
+        zero=row.zero,
+        schedule=row.schedule,
+        chunks=row.chunks,
+        micro_batch=row.micro_batch,
+        global_batch=row.global_batch,
+        recompute=row.recompute,
+        hardware=row.hardware,
+        precision="mixed",
+        attention=row.attention,
+        sp=row.sp,
+    )
+    flops = narayanan_flops(row) if row.convention == "eq3" else c.model_flops
+    return Estimate(row, c, flops / (c.step_time_s * row.gpus) / 1e12)
+
+
+def compare() -> list[Estimate]:
+    """Every row's estimate."""
+    return [estimate(row) for row in ROWS]

@@ -82,6 +82,7 @@ def _experts(args: argparse.Namespace) -> dict:
 
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads")  # what --preset gives
+ALWAYS_SHOWN_AXES = ("dp", "tp", "pp")  # in memory's summary line; cp and ep only where they split something
 
 
 def _memory_model(args) -> tuple[float, dict, str]:
@@ -159,7 +160,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         "bytes_per_device": result,
     }
     _write_json(data, args.json)
-    shown = {k: v for k, v in layout.items() if k in ("dp", "tp", "pp") or v > 1}  # cp and ep where they split
+    shown = {k: v for k, v in layout.items() if k in ALWAYS_SHOWN_AXES or v > 1}  # cp and ep where they split
     experts = f" ({shape['expert_params']:,.0f} in routed experts)" if shape.get("expert_params") else ""
     _say(
         args,
@@ -175,7 +176,18 @@ def cmd_memory(args: argparse.Namespace) -> int:
     _say(args, f"  bytes per parameter: {PRECISIONS[args.precision].source}")
     if "layers" in shape:
         _say(args, f"  attention: {ATTENTION_NOTES[args.attention]}")
+    if args.precision in REFERENCE_NOTES:
+        _say(args, f"  against the reference: {REFERENCE_NOTES[args.precision]}")
     return 0
+
+
+REFERENCE_NOTES = {  # where we differ from the estimator a convention is named after (tests/test_memory_references.py)
+    "megatron": "weights and optimizer equal Megatron-LM's theoretical_memory_usage.py for the same parameter count "
+    "(it skips linear biases and learned positions, we count them); its activations count K/V as wide as Q and a "
+    "SwiGLU MLP as GELU's 4 ffn/h, only the first stage, and without SP add 5% and take the MLP as 4h wide",
+    "deepspeed": "equal to DeepSpeed's estimate_zero2/3_model_states_mem_needs (model states; it counts no "
+    "activations); ZeRO-3 with the largest layer gathered",
+}
 
 
 ATTENTION_NOTES = {
@@ -732,10 +744,8 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
     parts = ", ".join(f"{k} {c.memory[k] / 1e9:.3g}" for k in ("params", "grads", "optimizer", "activations"))
     verdict = "fits" if c.fits else f"does not fit, {(c.memory_per_gpu_bytes - gpu_mem) / 1e9:.1f} GB over"
     _say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:g} GB ({parts}): {verdict}")
-    if c.recompute == "none" and c.attention == "flash":
-        _say(
-            args, "    (the memory model keeps the attention scores, 5as/h; a flash kernel would not: see --recompute)"
-        )
+    if c.memory["stage"] != "all":
+        _say(args, f"    (on the {c.memory['stage']} pipeline stage, the busiest: its layers and one embedding matrix)")
     t = c.time
     _say(
         args,

@@ -216,3 +216,12 @@ def test_full_recompute_under_sequence_parallelism_splits_the_saved_input():
     s, b, h, a = 2048, 1, 12288, 96
     assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="full") == 2 * s * b * h / 8
     assert activation_bytes_per_layer(s, b, h, a, tp=8, recompute="full") == 2 * s * b * h
+
+
+def test_the_memory_command_says_where_it_differs_from_the_reference(capsys):
+    from course_lib.cli import main
+
+    assert main(["memory", "--preset", "llama3-8b", "--precision", "megatron", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes on the busiest GPU (the first pipeline stage)" in out
+    assert "against the reference: weights and optimizer equal Megatron-LM's" in out

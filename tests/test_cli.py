@@ -105,15 +105,15 @@ def test_run_with_bad_sizes_is_a_clear_error():
 
 def test_demo_prints_its_table_as_a_console_script(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "course_lib", "demo", "--plot", str(tmp_path), "--steps", "2"],
+        [sys.executable, "-m", "course_lib", "demo", "--plot", str(tmp_path), "--steps", "2", "--world-size", "2"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
     assert "scheme" in out and "loss diff" in out
-    assert any(line.startswith("dp") and " 4 " in line for line in out.splitlines())
-    assert (tmp_path / "dp_n4_timeline.png").exists()
+    assert any(line.startswith("dp") and " 2 " in line for line in out.splitlines())
+    assert (tmp_path / "dp_n2_timeline.png").exists()
 
 
 def test_the_same_command_runs_under_torchrun(tmp_path):

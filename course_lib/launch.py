@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import functools
 import importlib
 import io
@@ -54,6 +55,8 @@ from course_lib.forkserver import RANK_NAME, context, torchrun_restart, under_to
 
 STATUS_TEXT_BYTES = 200
 POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
+STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler), when it holds a run up
+STACK_LINES = 8  # innermost frames per thread shown
 _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
 
 
@@ -401,24 +404,29 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
             process.start()
             child_conn.close()
             ranks.append(_RankState(process, parent_conn))
-        _collect(ranks, epoch + limits.timeout, limits, status)
+        _collect(ranks, epoch + limits.timeout, limits, status, store_path)
     finally:
         _reap(ranks)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(store_path)
+        for path in [store_path] + [_stack_path(store_path, r) for r in range(world_size)]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
     return RunResult(list(values), list(records), list(events), list(programs), backend, time.perf_counter() - epoch)
 
 
-def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status) -> None:
+def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status, store_path: str) -> None:
     """Read every rank's messages until all have reported; raise RankError on the first failure, on a stall (a rank
-    blocked in a collective for ``stall_timeout`` that another rank has not reached) and at the deadline."""
+    blocked in a collective for ``stall_timeout`` that another rank has not reached; the message ends with where the
+    ranks holding it up were, their Python stacks) and at the deadline."""
     pending = set(range(len(ranks)))
     while pending:
         waitables = {ranks[r].conn: r for r in pending} | {ranks[r].process.sentinel: r for r in pending}
         left = deadline - time.perf_counter()
         if left <= 0:
-            raise RankError(_timeout_message(ranks, pending, limits.timeout, status))
+            laggards = _laggards(ranks, pending, status)
+            raise RankError(
+                _timeout_message(ranks, pending, limits.timeout, status) + _stacks(ranks, laggards, store_path)
+            )
         for obj in wait(list(waitables), timeout=min(left, POLL_S)):
             r = waitables[obj]
             if r in pending and _drain(ranks[r]):
@@ -432,7 +440,7 @@ def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status) 
             raise _failure(ranks, status)
         stall = _stall_message(ranks, pending, limits.stall_timeout, status)
         if stall:
-            raise RankError(stall)
+            raise RankError(stall + _stacks(ranks, _laggards(ranks, pending, status), store_path))
 
 
 def _drain(state: _RankState) -> bool:
@@ -575,6 +583,46 @@ def _stall_message(ranks: list[_RankState], pending: set[int], stall_timeout: fl
     return "\n".join(lines)
 
 
+def _stack_path(store_path: str, rank: int) -> str:
+    """Where rank ``rank`` writes its Python stacks when the launcher asks (:data:`STACK_SIGNAL`)."""
+    return f"{store_path}.stacks-{rank}"
+
+
+def _stacks(ranks: list[_RankState], laggards: dict[int, str], store_path: str) -> str:
+    """The Python stacks of the live laggards that are not stopped, each asked for with :data:`STACK_SIGNAL`
+    (``faulthandler``, which answers even from inside C code): the innermost frames of each thread, most recent
+    first. Empty if none answers within a second."""
+    asked = [r for r in sorted(laggards) if ranks[r].process.is_alive() and not _process_state(ranks[r].process)]
+    for r in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[r].process.pid, STACK_SIGNAL)
+    lines, deadline = [], time.monotonic() + 1.0
+    for r in asked:
+        text, before = "", None
+        while (not text or text != before) and time.monotonic() < deadline:  # until the dump stops growing
+            before = text
+            time.sleep(0.05)
+            with contextlib.suppress(OSError), open(_stack_path(store_path, r)) as f:
+                text = f.read()
+        if text:
+            lines.append(f"where rank {r} was (faulthandler, most recent call first):")
+            lines += [f"  {line}" for line in _innermost(text, STACK_LINES)]
+    return "\n" + "\n".join(lines) if lines else ""
+
+
+def _innermost(dump: str, keep: int) -> list[str]:
+    """Each thread's header and its ``keep`` innermost frames, of a ``faulthandler`` dump."""
+    out, kept = [], 0
+    for line in dump.splitlines():
+        if not line.startswith("  "):  # "Thread 0x... (most recent call first):" or "Current thread ..."
+            out.append(line)
+            kept = 0
+        elif kept < keep:
+            out.append(line.strip())
+            kept += 1
+    return [line for line in out if line]
+
+
 def _timeout_message(ranks: list[_RankState], pending: set[int], timeout: float, status) -> str:
     laggards = _laggards(ranks, pending, status)
     waiting = sorted(r for r in pending if status[r].blocked_since and r not in laggards)
@@ -666,6 +714,8 @@ def _rank_main(
     global _DEVICE, _IN_RANK, _STATUS
     _die_with_parent()
     _IN_RANK = True
+    stacks = open(_stack_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life: faulthandler writes
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     lock = threading.Lock()
     sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
     torch.set_num_threads(threads)

@@ -146,3 +146,12 @@ def test_the_command_line_kills_a_rank_and_says_where(capsys):
     assert out == "" and "Traceback" not in err
     assert err.startswith("course-lib run: rank 1 of 2 was killed by signal SIGKILL during step 1 (last: "), err
     assert len(pids) == 2 and not any(process_alive(pid) for pid in pids)
+
+
+def test_a_hung_rank_shows_where_it_was():
+    """On a stall the launcher asks the ranks holding the run up for their Python stacks (faulthandler) and ends its
+    message with them: here the hang inside the fault's own frame, called from the training loop."""
+    message, elapsed = failed_run("dp", Fault(1, 2, "hang"))
+    where = message.split("where rank 1 was (faulthandler, most recent call first):", 1)[1]
+    assert "in _hang" in where and "in train_loop" in where
+    assert elapsed < STALL_S + 5

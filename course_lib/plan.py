@@ -44,6 +44,7 @@ from course_lib.memory import (
     memory_formula,
     model_state_formula,
     params_from_dims,
+    transformer_params,
 )
 from course_lib.parallel.schedules import Costs, bubble_formula, bubble_ratio
 
@@ -188,8 +189,10 @@ def llama_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, 
     """Parameters of a Llama 3 model (Grattafiori et al. 2024, Table 3 dims): per layer grouped-query attention, a
     SwiGLU MLP and two RMSNorm weights; untied input and output embeddings, a final norm. Gives the released
     checkpoints' 8,030,261,248, 70,553,706,496 and 405,853,388,800 parameters."""
-    per_layer = gqa_params(hidden, heads, kv_heads) + swiglu_params(hidden, ffn) + 2 * hidden
-    return layers * per_layer + 2 * vocab * hidden + hidden
+    return transformer_params(
+        layers, hidden, vocab, heads=heads, kv_heads=kv_heads, ffn=ffn, swiglu=True, tied=False, norm="rmsnorm",
+        biases=False,
+    )["total"]  # fmt: skip
 
 
 def moe_params(
@@ -212,48 +215,33 @@ _LLAMA3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; 8192-t
 _GPT3 = "Brown et al. 2020, Table 2.1 (dims, vocabulary 50257)"
 
 
-def _llama_dims(ffn: int) -> dict:
-    """What the Llama 3 models share beyond their sizes: 8 K/V heads, a 128,256-token vocabulary, a SwiGLU MLP
-    ``ffn`` wide and untied embeddings (Grattafiori et al. 2024, Table 3; the released checkpoints)."""
-    return {"kv_heads": 8, "vocab": 128256, "ffn": ffn, "swiglu": True, "tied": False, "norm": "rmsnorm"}
+def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, **known) -> Model:
+    """A Llama 3 model of these sizes and what the family shares: 8 K/V heads, a 128,256-token vocabulary, a SwiGLU
+    MLP ``ffn`` wide, RMSNorm and untied embeddings, 8K-token sequences (Grattafiori et al. 2024, Table 3; the
+    released checkpoints), its parameters counted by :func:`llama_params`."""
+    known.setdefault("source", _LLAMA3)
+    return Model(
+        name, llama_params(layers, hidden, heads, 8, ffn, 128256), layers, hidden, heads, 8192, kv_heads=8,
+        vocab=128256, ffn=ffn, swiglu=True, tied=False, norm="rmsnorm", **known,
+    )  # fmt: skip
 
 
-_LLAMA3_405B = Model(
+_LLAMA3_405B = _llama(
     "llama3-405b",
-    llama_params(126, 16384, 128, 8, 53248, 128256),
     126,
     16384,
     128,
-    8192,
+    53248,
     global_batch=2048,
     published={"tp": 8, "pp": 16, "dp": 128},
     source=_LLAMA3 + "; Table 4: on 16,384 H100s TP 8, CP 1, PP 16, DP 128, 16M tokens (2048 sequences) a batch",
-    **_llama_dims(53248),
 )
 _DEEPSEEK_V3 = Experts(routed=256, top_k=8, ffn=2048, shared=1, dense_layers=3)
 _DEEPSEEK_V3_ATTENTION = mla_params(7168, 128, 128, 64, 1536, 512)
 _MIXTRAL = Experts(routed=8, top_k=2, ffn=16384)
 PRESETS = {
-    "llama3-8b": Model(
-        "llama3-8b",
-        llama_params(32, 4096, 32, 8, 14336, 128256),
-        32,
-        4096,
-        32,
-        8192,
-        source=_LLAMA3,
-        **_llama_dims(14336),
-    ),
-    "llama3-70b": Model(
-        "llama3-70b",
-        llama_params(80, 8192, 64, 8, 28672, 128256),
-        80,
-        8192,
-        64,
-        8192,
-        source=_LLAMA3,
-        **_llama_dims(28672),
-    ),
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 28672),
     "llama3-405b": _LLAMA3_405B,
     "llama3-405b-128k": replace(
         _LLAMA3_405B,
@@ -718,7 +706,7 @@ def elementwise_bytes(model: Model, c: Candidate, micro_batch: int) -> float:
     inputs and the incoming gradient, writes the outgoing one); full recompute repeats the forward's, selective
     the attention's."""
     tokens = micro_batch * model.seq / c.cp
-    h, ffn = model.hidden, model.token_ffn or model.ffn or 4 * model.hidden
+    h, ffn = model.hidden, model.token_ffn or 4 * model.hidden
     rest = 22 * h * tokens / (c.tp if c.sp else 1)
     mlp = (6 if model.swiglu else 4) * ffn * tokens / c.tp
     scores = 13 * model.heads * model.seq if c.attention == "materialized" else 8 * h

@@ -233,6 +233,7 @@ def _model_config(args, layers_needed: int = 1, model_settings: dict | None = No
         d_model=sizes["hidden"],
         heads=args.heads or GPTConfig().heads,
         seq=sizes["seq"],
+        recompute=getattr(args, "recompute", "none"),
         **((model_settings or {}) if given.get("experts") != 0 else {}) | given,
     )
 
@@ -455,7 +456,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         args,
         f"{args.scheme} on {world_size} {report['backend']} rank{'s' * (world_size != 1)}, {report['params']:,} "
         f"parameters ({shape}, "
-        f"{cfg.seq} tokens, batch {train.batch}), {args.dtype}",
+        f"{cfg.seq} tokens, batch {train.batch}), {args.dtype}"
+        + ("" if cfg.recompute == "none" else f", {cfg.recompute} recompute"),
     )
     if "resumed_from" in report:
         r = report["resumed_from"]
@@ -888,6 +890,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--heads", type=_positive_int, help="attention heads, must divide --hidden (default 4)")
         p.add_argument(
             "--seq", type=_positive_int, help=f"tokens per sequence (default 32; {modeled['seq']} with --hardware)"
+        )
+        p.add_argument(
+            "--recompute",
+            choices=RECOMPUTE,
+            default="none",
+            help="activation recompute in backward: selective (the attention scores) or full (every layer)",
         )
         p.add_argument("--steps", type=_positive_int, default=3)
         p.add_argument(

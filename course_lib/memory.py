@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from course_lib.recompute import RECOMPUTE
+
 if TYPE_CHECKING:
     from course_lib.models import GPTConfig
 
@@ -431,7 +433,6 @@ def adamw_state_bytes(element_size: int, trainable: int, frozen: int = 0, tensor
     return {"params": e * (trainable + frozen), "grads": e * trainable, "optimizer": 2 * e * trainable + 4 * tensors}
 
 
-RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "materialized")
 NORMS = {"layernorm": 2, "rmsnorm": 1}  # weights per hidden unit: LayerNorm's scale and bias, RMSNorm's scale
 
@@ -509,16 +510,25 @@ def tiny_gpt_activation_bytes(
     (Korthikanti's sbh(10 + 24/t + 5as/(ht))). Sequence parallelism splits the rest too: everything but the mask
     divided by t. Outside the layers a TP rank keeps the vocabulary masks (bs bytes each) of its embedding and
     cross-entropy, its sbV/t slice of the softmax, and the final LayerNorm and head input (divided by t under SP).
+
+    Recomputation (``cfg.recompute``, :mod:`course_lib.recompute`): ``selective`` drops the scores and the mask
+    (as^2 b/t elements and s^2 bytes) and keeps q, k and v, which the attention matmuls saved anyway; ``full``
+    keeps a layer's input alone: sbh elements (its sequence shard under SP). Outside the layers nothing changes.
     """
     s, b, h, a, v, e = cfg.seq, micro_batch, cfg.d_model, cfg.heads, cfg.vocab, element_size
+    t = tp or 1
+    scores = e * a * s * s * b // t + s * s if cfg.recompute == "none" else 0
+    if cfg.recompute == "full":
+        per_layer = e * s * b * h // (t if sp else 1)
+    elif sp:
+        per_layer = e * (16 * s * b * h + 4 * s * b) // t + scores
+    else:
+        per_layer = e * (4 * s * b * h + 12 * s * b * h // t + 4 * s * b) + scores
     if tp is None:
-        per_layer = e * (16 * s * b * h + a * s * s * b + 4 * s * b) + s * s
         outside = 2 * 8 * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v + 1)
     elif sp:
-        per_layer = e * (16 * s * b * h + a * s * s * b + 4 * s * b) // tp + s * s
         outside = 2 * (8 + 1) * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v) // tp
     else:
-        per_layer = e * (4 * s * b * h + 12 * s * b * h // tp + a * s * s * b // tp + 4 * s * b) + s * s
         outside = 2 * (8 + 1) * b * s + e * (2 * s * b * h + 2 * s * b + s * b * v // tp)
     return {
         "per_layer": per_layer,

@@ -15,7 +15,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import trace
+from course_lib.recompute import apply as apply_recompute
+from course_lib.recompute import check_mode, recompute
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class GPTConfig:
     ``experts`` > 0 makes every block's MLP a mixture of that many experts (:class:`MoE`), each token sent to its
     ``top_k`` best; ``capacity_factor`` None is dropless, a float caps each expert at
     ceil(tokens x top_k / experts x capacity_factor) assignments per batch; ``aux_loss_coef`` is Switch's alpha.
+
+    ``recompute`` (:mod:`course_lib.recompute`): ``full`` recomputes every block in backward from its input,
+    ``selective`` only the attention core from Q, K and V; ``none`` keeps everything.
     """
 
     vocab: int = 128
@@ -45,8 +50,10 @@ class GPTConfig:
     top_k: int = 1
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
+        check_mode(self.recompute)
         for name in ("vocab", "seq", "layers", "d_model", "heads", "ffn_mult"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
@@ -108,6 +115,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.selective = cfg.recompute == "selective"  # recompute the scores in backward from q, k and v
         # No bias here (as in PaLM and Llama): the key bias would get an exactly-zero gradient (adding a constant to
         # every score of a query leaves the softmax unchanged), so in floating point its gradient is rounding noise,
         # which Adam's normalised update turns into steps of size lr that no two summation orders agree on.
@@ -122,7 +130,8 @@ class Attention(nn.Module):
         # under sequence parallelism, the whole sequence gathered by qkv). Head-major copies, so that what the
         # attention matmuls save does not depend on the batch size.
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2).contiguous() for t in self.qkv(x).chunk(3, -1))
-        return self.proj(self.attend(q, k, v).transpose(1, 2).flatten(2))
+        mixed = recompute(self.attend, q, k, v) if self.selective else self.attend(q, k, v)
+        return self.proj(mixed.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -254,8 +263,12 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MoE(cfg) if cfg.experts else MLP(cfg)
+        self.full_recompute = cfg.recompute == "full"  # keep only the input, run the layer again in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recompute(self.layer, x) if self.full_recompute else self.layer(x)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -374,11 +387,11 @@ def build_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None =
     """The tiny GPT of ``cfg``; or, given a factory, the student's own model: ``model()`` called with torch's
     generator seeded by ``train.seed`` (so every rank and the reference build the same weights) and cast to
     ``train.dtype``. Either one maps ``(tokens, targets)``, (batch, seq) token ids of :func:`synthetic_tokens`, to
-    the mean loss."""
+    the mean loss. ``cfg.recompute`` applies to either (:func:`course_lib.recompute.apply` for the student's)."""
     if model is None:
         return TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype)
     torch.manual_seed(train.seed)
-    return model().to(train.torch_dtype)
+    return apply_recompute(model().to(train.torch_dtype), cfg.recompute)
 
 
 def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.Module:
@@ -396,9 +409,10 @@ def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.M
     if not callable(model):
         raise ValueError(f"model must be {contract}; got a {type(model).__name__}")
     try:
-        built = build_model(cfg, train, model)
+        built = build_model(replace(cfg, recompute="none"), train, model)
     except Exception as err:
         raise ValueError(f"building your model failed: {type(err).__name__}: {err}") from err
+    apply_recompute(built, cfg.recompute)  # refuses a recompute mode the model has nothing for
     if not isinstance(built, nn.Module):
         raise ValueError(f"model() returned a {type(built).__name__}; it must return {contract.split(' returns ')[1]}")
     if not any(p.requires_grad for p in built.parameters()):

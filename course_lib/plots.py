@@ -27,6 +27,7 @@ KIND_COLORS = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
     "weight_grad": "#C44E52",
+    "recompute": "#64B5CD",
     "optimizer": "#55A868",
     "compute": "#8172B3",
     "comm": "#937860",

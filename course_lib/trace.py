@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-KINDS = ("forward", "backward", "weight_grad", "optimizer", "compute", "comm", "idle")
+KINDS = ("forward", "backward", "weight_grad", "recompute", "optimizer", "compute", "comm", "idle")
 
 
 @dataclass
@@ -188,11 +188,11 @@ def span(kind: str, name: str = "", **span_tags) -> Iterator[None]:
     try:
         with tags(**span_tags):
             yield
-    finally:
+    finally:  # recorded however the body ends (a recomputation is stopped by an exception once it has enough)
         _TIMELINE.kinds.pop()
         _next_segment()
-    counted = _TIMELINE.flops_total - flops_before
-    record(kind, name or kind, start, now(), **span_tags, **({"flops": counted} if counted else {}))
+        counted = _TIMELINE.flops_total - flops_before
+        record(kind, name or kind, start, now(), **span_tags, **({"flops": counted} if counted else {}))
 
 
 def with_idle(rank_events: Sequence[Event]) -> list[Event]:

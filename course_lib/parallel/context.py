@@ -349,12 +349,14 @@ def kv_traffic(cfg: GPTConfig, micro_batch: int, n: int, element_size: int, kv: 
     """Bytes a rank of a context-parallel group of ``n`` sends, by op, for ``passes`` forward and backward passes of
     one layer over micro-batches of ``micro_batch`` sequences, with B = :func:`kv_block_bytes`: ring, N-1 sends of B
     forward and N-1 of their gradients backward (receives send nothing); all-gather, an all-gather of the N blocks
-    (N B bytes) forward and a reduce-scatter of their gradients backward, each (N-1)/N x N B."""
+    (N B bytes) forward and a reduce-scatter of their gradients backward, each (N-1)/N x N B. Recomputation
+    (selective or full, ``cfg.recompute``) runs the forward's K/V passes again in backward."""
     block = kv_block_bytes(cfg, micro_batch, n, element_size, tp)
+    forwards = 1 + (cfg.recompute != "none")
     if kv == "ring":
-        return {"send": float(2 * (n - 1) * block * passes), "recv": 0.0} if n > 1 else {}
+        return {"send": float((forwards + 1) * (n - 1) * block * passes), "recv": 0.0} if n > 1 else {}
     gathered = ring_factor("all_gather", n) * n * block * passes
-    return {"all_gather": gathered, "reduce_scatter": gathered}
+    return {"all_gather": forwards * gathered, "reduce_scatter": gathered}
 
 
 def _ring_slot_elements(blocks: int, b: int, heads: int, c: int, h: int) -> int:
@@ -383,15 +385,23 @@ def context_parallel_activation_bytes(
     all-gather: the L x s scores and their exponentials (2 a L s b), the log-sum-exp a L b and the L x s boolean
     mask; ring: for each local query chunk the blocks it merges (:func:`_ring_slot_elements`; chunk i sees i+1
     blocks, so rank r's two chunks merge r+1 and 2N-r), and the c x c diagonal mask.
+
+    Recomputation (``cfg.recompute``): ``selective`` keeps the attention core's local q, k and v (3Lbh) in place of
+    all of the above, ``full`` a layer's input (Lbh).
     """
     s, b, h, a, v, e = cfg.seq, micro_batch, cfg.d_model, cfg.heads, cfg.vocab, element_size
-    local = s // n
-    per_layer = 13 * local * b * h + 4 * local * b + local * b * h + 2 * s * b * h
-    if kv == "ring":
+    local, mask = s // n, 0
+    if cfg.recompute == "full":
+        per_layer = local * b * h
+    elif cfg.recompute == "selective":
+        per_layer = 16 * local * b * h + 4 * local * b
+    elif kv == "ring":
         c = local // 2
+        per_layer = 13 * local * b * h + 4 * local * b + local * b * h + 2 * s * b * h
         per_layer += sum(_ring_slot_elements(i + 1, b, a, c, h) for i in chunks_of(rank, n))
         mask = c * c
     else:
+        per_layer = 13 * local * b * h + 4 * local * b + local * b * h + 2 * s * b * h
         per_layer += 2 * a * local * s * b + a * local * b
         mask = local * s
     ids = 2 * 8 * b * local + 8 * local * (not cfg.frozen_pos)  # tokens, targets; positions for a trained pos_emb

@@ -218,8 +218,18 @@ def train_expert_parallel(cfg: GPTConfig, train: TrainConfig, measure_memory: bo
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
+def check_recompute(cfg: GPTConfig) -> None:
+    """Refuse full recomputation of an MoE trained over ranks: backward would route the tokens again (a second
+    gather of the counts and dispatch all-to-all per layer), bytes the course's routed prediction does not count."""
+    if cfg.recompute == "full":
+        raise ValueError(
+            "full recompute of an MoE layer over several ranks routes its tokens again in backward (a second counts "
+            "all-gather and all-to-all), which the course does not predict; use recompute 'selective' or 'none'"
+        )
+
+
 def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    """An MoE model whose experts and batch split evenly over the ranks."""
+    """An MoE model whose experts and batch split evenly over the ranks, not fully recomputed."""
     if cfg.experts == 0:
         raise ValueError(
             "scheme 'ep' shards the experts of an MoE model, and this model is dense (experts=0); use "
@@ -230,6 +240,7 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
             f"{cfg.experts} experts do not split evenly over {world_size} expert-parallel ranks; use a number of "
             f"experts that is a multiple of {world_size}, or a world size that divides {cfg.experts}"
         )
+    check_recompute(cfg)
     check_batch_split(world_size, cfg, train, {**o, "grad_accum": 1})
 
 

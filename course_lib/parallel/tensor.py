@@ -588,6 +588,10 @@ def collectives_per_step(
     size (S = e b s h, the whole sequence), plus, in backward, an all-gather per column-parallel linear to rebuild
     the input it kept sharded. Outside: the embedding, the tied head, the cross-entropy's three all-reduces of
     e b s bytes, and under SP one all-reduce of the sequence-parallel parameters' gradients.
+
+    Full recomputation (``cfg.recompute``) runs each layer's forward again in backward, with its collectives, up to
+    the last tensor the layer saves: PyTorch's checkpoint stops there (``set_checkpoint_early_stop``), so the
+    MLP's closing all-reduce (or reduce-scatter) is not repeated; the recomputed ones are tagged ``recompute``.
     """
     S, small = element_size * batch * cfg.seq * cfg.d_model, element_size * batch * cfg.seq
     layers = range(cfg.layers) if layers is None else layers
@@ -607,6 +611,8 @@ def collectives_per_step(
     else:
         layer = [("forward", "all_reduce"), ("backward", "all_reduce")] * 2
         ends = [("embedding", "forward", "all_reduce"), ("head", "backward", "all_reduce")]
+    if cfg.recompute == "full":
+        layer += [("recompute", op) for d, op in layer if d == "forward"][:-1]
     out = [(i, d, op, S) for i in layers for d, op in layer]
     out += [
         (where, d, op, S) for where, d, op in ends if (where == "embedding" and first) or (where == "head" and last)

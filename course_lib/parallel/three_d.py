@@ -82,6 +82,7 @@ from course_lib.parallel.data import all_reduce_grads, train_loop
 from course_lib.parallel.expert import (
     RoutingLog,
     all_to_all_bytes,
+    check_recompute,
     expert_params,
     finish_expert_gradients,
     local_experts,
@@ -320,6 +321,7 @@ def check_experts(cfg: GPTConfig, o: dict) -> None:
             "rank's tokens are chunks of every sequence, not the block of the batch in token order that capacity "
             "and the all-to-all's rows assume; use tp 1 and cp 1, with the experts split over ep of the dp ranks"
         )
+    check_recompute(cfg)
     if ep < 1 or o["dp"] % ep:
         raise ValueError(
             f"ep {ep} is carved out of the data-parallel ranks (Megatron's MoE parallel folding): it must divide "

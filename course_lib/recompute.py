@@ -15,7 +15,8 @@ zero-bubble pipelines' ``torch.autograd.grad`` work) with its inputs also saved 
 its inputs in a closure, out of sight of ``saved_tensors_hooks``, so the memory meter
 (:class:`course_lib.memory.MemoryMeter`) would miss exactly what recomputation keeps. Saving them (no copy) makes
 the meter count them for as long as the segment's backward needs them. The run in backward is a ``recompute`` span
-on the rank's timeline (:mod:`course_lib.trace`), carrying the FLOPs it cost. PyTorch's checkpoint stops the
+on the rank's timeline (:mod:`course_lib.trace`), carrying the FLOPs it cost; its collectives are tagged
+``recomputed``. PyTorch's checkpoint stops the
 recomputation once it has rebuilt the last tensor the segment saved (``set_checkpoint_early_stop``), so what
 follows it (a layer's closing collective) does not run again.
 
@@ -69,9 +70,10 @@ def recompute(fn: Callable[..., torch.Tensor], *inputs) -> torch.Tensor:
 
     def segment(*x):
         if not runs:  # the forward itself
-            runs.append(True)
+            runs.append(trace.current_tags())
             return fn(*x)
-        with trace.span("recompute"):  # backward running it again: its FLOPs and collectives, on the timeline
+        # Backward running it again, under the forward's tags (step, layer, microbatch): its FLOPs and collectives.
+        with trace.tags(**runs[0]), trace.span("recompute", recomputed=True):
             return fn(*x)
 
     return checkpoint(segment, *args, use_reentrant=False)

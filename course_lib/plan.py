@@ -1206,10 +1206,14 @@ def explain(
     reasons = [_model_reason(p.model)]
     reasons += _tree_reasons(p, tree_best)
     if p.recompute == "selective":
+        price = hardware_flops_per_token(p.model, "selective", p.attention) / hardware_flops_per_token(
+            p.model, "none", p.attention
+        )
         reasons.append(
             f"Nothing fits while keeping the attention scores (Korthikanti et al.'s 5as/h term: the smallest layout "
             f"needs {_bytes(first_try.memory_per_gpu_bytes)}); selective recompute drops them (so does "
-            f"FlashAttention, which never stores them)."
+            f"FlashAttention, which never stores them), for {price - 1:.1%} more FLOPs: the scores computed again "
+            "in backward (lesson 01 measures the price on the tiny GPT)."
         )
     if without_cp is not None:
         reasons.append(_cp_reason(p, without_cp))

@@ -748,6 +748,7 @@ def collectives_per_step(
     layers: range | None = None,
     first: bool = True,
     last: bool = True,
+    async_tp: bool = False,
 ) -> list[tuple]:
     """Every collective a tensor-parallel rank makes in one step of one batch, as (layer, direction, op, tensor
     bytes); by default the whole model, or a pipeline stage's ``layers`` with the embedding if ``first`` and the
@@ -762,6 +763,8 @@ def collectives_per_step(
     Full recomputation (``cfg.recompute``) runs each layer's forward again in backward, with its collectives, up to
     the last tensor the layer saves: PyTorch's checkpoint stops there (``set_checkpoint_early_stop``), so the
     MLP's closing all-reduce (or reduce-scatter) is not repeated; the recomputed ones are tagged ``recompute``.
+    Under ``async_tp`` that closing reduce-scatter is one autograd Function with the matmul before it, which saves
+    its input only once it has run, so it is repeated too.
     """
     S, small = element_size * batch * cfg.seq * cfg.d_model, element_size * batch * cfg.seq
     layers = range(cfg.layers) if layers is None else layers
@@ -782,7 +785,7 @@ def collectives_per_step(
         layer = [("forward", "all_reduce"), ("backward", "all_reduce")] * 2
         ends = [("embedding", "forward", "all_reduce"), ("head", "backward", "all_reduce")]
     if cfg.recompute == "full":
-        layer += [("recompute", op) for d, op in layer if d == "forward"][:-1]
+        layer += [("recompute", op) for d, op in layer if d == "forward"][: None if async_tp else -1]
     out = [(i, d, op, S) for i in layers for d, op in layer]
     out += [
         (where, d, op, S) for where, d, op in ends if (where == "embedding" and first) or (where == "head" and last)
@@ -921,7 +924,7 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     :func:`async_tp_messages`), and under SP the all-reduce of the sequence-parallel gradients
     (:func:`sequence_parallel_grad_bytes`)."""
     e, t, row = train.torch_dtype.itemsize, world_size, {}
-    step = collectives_per_step(cfg, train.batch, e, o["sp"])
+    step = collectives_per_step(cfg, train.batch, e, o["sp"], async_tp=o["async_tp"])
     for *_, op, nbytes in async_tp_messages(step, t) if o["async_tp"] else step:
         row[op] = row.get(op, 0.0) + ring_factor(op, t) * nbytes
     if o["sp"]:

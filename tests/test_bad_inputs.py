@@ -51,6 +51,8 @@ BAD = (
         (["run", "dp", "--one-bucket", "--bucket-mb", "1"], "--bucket-mb and --one-bucket both set bucket_mb"),
         (["run", "zero3", "--bucket-mb", "1"], "--bucket-mb is not a setting of zero3"),
         (["run", "tp", "--grad-accum", "2"], "--grad-accum is not a setting of tp; it takes --tp"),
+        (["run", "tp", "--async-tp"], "--async-tp is not a setting of tp; it takes --tp"),
+        (["run", "sp", "--async-tp", "--seq", "30"], "does not divide the sequence length (sequence parallel) = 30"),
         (["run", "dp", "--schedule", "1f1b"], "--schedule is not a setting of dp"),
         (["run", "single", "--world-size", "2"], "runs on one rank"),
         (["run", "pp", "--schedule", "nope"], "unknown schedule 'nope'"),

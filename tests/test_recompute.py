@@ -17,6 +17,7 @@ CASES = [
     ("dp", 2, {}),
     ("tp", 2, {}),
     ("sp", 2, {}),
+    ("sp", 2, {"async_tp": True}),
     ("pp", 2, {"schedule": "1f1b"}),
     ("pp", 2, {"schedule": "zb-h1"}),
     ("cp", 2, {}),

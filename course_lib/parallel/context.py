@@ -52,7 +52,7 @@ from course_lib.memory import adamw_state_bytes
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.interface import Option, Scheme
-from course_lib.parallel.tensor import TensorParallelGPT, all_gather_along
+from course_lib.parallel.tensor import TensorParallelGPT, all_gather_along, ring_peer
 
 
 def chunks_of(rank: int, n: int) -> tuple[int, int]:
@@ -89,13 +89,6 @@ def sequence_shard(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return x.index_select(1, local_positions(x.shape[1], rank, n, x.device))
 
 
-def _peer(group: Group, offset: int) -> int:
-    """The global rank ``offset`` places after this one on the ring of ``group``."""
-    n = dist.get_world_size(group)
-    peer = (dist.get_rank(group) + offset) % n
-    return dist.get_global_rank(group, peer) if group is not None else peer
-
-
 class RingStep:
     """One ring step's send and receive in flight, shared by the two operators that start and finish it."""
 
@@ -109,8 +102,8 @@ class RingStep:
         x, out = x.contiguous(), torch.empty_like(x)
         with trace.tags(direction=direction, **({"layer": self.layer} if self.layer is not None else {})):
             self.handles = [
-                comm.isend(x, _peer(self.group, offset), self.group),
-                comm.irecv(out, _peer(self.group, -offset), self.group),
+                comm.isend(x, ring_peer(self.group, offset), self.group),
+                comm.irecv(out, ring_peer(self.group, -offset), self.group),
             ]
         return out
 

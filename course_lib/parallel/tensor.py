@@ -14,6 +14,18 @@ t. LayerNorm and output-bias gradients then cover only a rank's shard and are al
 backward. The embedding and the tied output head are split by vocabulary rows; the cross-entropy works on vocab
 shards with three small all-reduces (max, target logit, sum of exponentials), never gathering the logits.
 
+Async TP (``async_tp``, with SP) hides those all-gathers and reduce-scatters behind the matmuls beside them, as the
+collective matmul of Wang et al. ("Overlap Communication with Dependent Computation via Decomposition in Large Deep
+Learning Models", ASPLOS 2023) and PyTorch's async TP (``fused_all_gather_matmul``, ``fused_matmul_reduce_scatter``)
+do: a linear works token by token, so each sequence chunk's product is a matmul of its own. The all-gather before a
+column-parallel linear becomes t-1 ring steps, the chunk in hand multiplied while the next one travels
+(:func:`ring_all_gather`); the reduce-scatter after a row-parallel linear passes running sums around the ring, each
+rank computing its part of the next chunk while the sum of that chunk travels to it (:func:`ring_reduce_scatter`).
+Backward does the same with the mirrored collectives. Each step is an ``isend``/``irecv`` pair issued before the
+matmul and waited for after it, so the modeled clock (:func:`course_lib.hardware.replay`) overlaps them; a rank
+sends t-1 messages of S/t, the ring collective's (t-1)/t of S. The embedding's reduce-scatter (no matmul beside it)
+and its backward all-gather stay collectives.
+
 The same layers split a student's own model, with PyTorch's names: :func:`parallelize_module` replaces the
 ``nn.Linear`` layers a plan names by :class:`ColumnParallelLinear` (``"colwise"``) and :class:`RowParallelLinear`
 (``"rowwise"``), each built by ``from_linear``; :func:`copy_to_tensor_parallel` and
@@ -25,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +51,7 @@ from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
-from course_lib.parallel.interface import Scheme
+from course_lib.parallel.interface import Option, Scheme
 
 
 def _direction(ctx, direction: str):
@@ -192,27 +204,164 @@ class GatherSequenceLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def ring_peer(group: Group, offset: int) -> int:
+    """The global rank ``offset`` places after this one on the ring of ``group``."""
+    t = dist.get_world_size(group)
+    peer = (dist.get_rank(group) + offset) % t
+    return dist.get_global_rank(group, peer) if group is not None else peer
+
+
+def _pass_on(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, list[comm.Handle]]:
+    """One ring step, posted: the send of ``x`` to the next rank and the receive of the previous rank's into the
+    returned buffer, to be read once the handles are waited for."""
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    return received, [comm.isend(x, ring_peer(group, 1), group), comm.irecv(received, ring_peer(group, -1), group)]
+
+
+def _wait(handles: list[comm.Handle]) -> None:
+    for handle in handles:
+        handle.wait()
+
+
+def ring_all_gather(shard: torch.Tensor, group: Group) -> Iterator[tuple[int, torch.Tensor]]:
+    """An all-gather of the ranks' shards taken apart into t-1 ring steps, for a collective matmul (Wang et al.
+    2023): yields (c, shard c) for every rank c's shard, this rank's own first, then the previous rank's, and
+    so on around the ring. Before each yield the step that brings the next shard is posted, and it is waited for
+    only after the caller's loop body has run: the compute on the shard in hand hides the transfer of the next.
+    Each rank sends t-1 messages of one shard, the (t-1)/t of the gathered bytes a ring all-gather sends."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    held = shard.contiguous()
+    for k in range(t):
+        received, handles = _pass_on(held, group) if k < t - 1 else (held, [])
+        yield (r - k) % t, held
+        _wait(handles)
+        held = received
+
+
+def ring_reduce_scatter(partial: Callable[[int], torch.Tensor], group: Group) -> torch.Tensor:
+    """The sum over the ranks of ``partial(r)``, on rank r: a reduce-scatter taken apart into t-1 ring steps
+    (Wang et al. 2023). Each rank starts with its contribution to the previous rank's chunk; at every step it
+    posts the running sum to the next rank, computes its own ``partial`` of the chunk whose sum it will receive
+    while that sum travels, and adds the two. After t-1 steps the sum of chunk r has visited every rank and ends on
+    rank r. Each rank sends t-1 messages of one chunk, the (t-1)/t of the input's bytes a ring reduce-scatter
+    sends."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    running = partial((r - 1) % t)
+    for k in range(1, t):
+        received, handles = _pass_on(running, group)
+        mine = partial((r - 1 - k) % t)
+        _wait(handles)
+        running = received + mine
+    return running
+
+
+class AllGatherLinear(torch.autograd.Function):
+    """Async TP's column-parallel linear under SP (PyTorch's fused_all_gather_matmul): the sequence all-gather
+    taken apart by :func:`ring_all_gather`, each shard multiplied while the next one travels; only the shard is kept
+    for backward (Korthikanti et al. §4.2.2). Backward mirrors it: the input re-gathered the same way, each shard's
+    weight-gradient product computed while the next arrives, and the input's gradient reduce-scattered by
+    :func:`ring_reduce_scatter`, each chunk's product computed while the running sum travels."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        _remember_layer(ctx)
+        ctx.save_for_backward(x_shard, weight)
+        out = [None] * dist.get_world_size(group)
+        with _direction(ctx, "forward"):
+            for c, x_c in ring_all_gather(x_shard, group):
+                out[c] = F.linear(x_c, weight, bias)
+        return torch.cat(out, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_shard, weight = ctx.saved_tensors
+        grads = grad.chunk(dist.get_world_size(ctx.group), 1)
+        grad_w = torch.zeros_like(weight)
+        with _direction(ctx, "backward"):
+            for c, x_c in ring_all_gather(x_shard, ctx.group):
+                grad_w = torch.addmm(grad_w, grads[c].flatten(0, -2).T, x_c.flatten(0, -2))
+            grad_x = ring_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)
+        grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class LinearReduceScatter(torch.autograd.Function):
+    """Async TP's row-parallel product under SP (PyTorch's fused_matmul_reduce_scatter): the partial sums
+    reduce-scattered to sequence shards by :func:`ring_reduce_scatter`, each chunk's product computed while the
+    running sum travels. Backward, the output gradient's all-gather is taken apart by :func:`ring_all_gather`, each
+    shard's input- and weight-gradient products computed while the next shard arrives."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        _remember_layer(ctx)
+        ctx.save_for_backward(x, weight)
+        chunks = x.chunk(dist.get_world_size(group), 1)
+        with _direction(ctx, "forward"):
+            return ring_reduce_scatter(lambda c: F.linear(chunks[c], weight), group)
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        x, weight = ctx.saved_tensors
+        t = dist.get_world_size(ctx.group)
+        chunks, grad_x, grad_w = x.chunk(t, 1), [None] * t, torch.zeros_like(weight)
+        with _direction(ctx, "backward"):
+            for c, g in ring_all_gather(grad_shard, ctx.group):
+                grad_x[c] = g @ weight
+                grad_w = torch.addmm(grad_w, g.flatten(0, -2).T, chunks[c].flatten(0, -2))
+        return torch.cat(grad_x, 1), grad_w, None
+
+
 def column_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, sp: bool
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, sp: bool, async_tp: bool = False
 ) -> torch.Tensor:
-    """x W_r^T + b_r for this rank's output columns; x arrives whole (through f) or as sequence shards (SP)."""
+    """x W_r^T + b_r for this rank's output columns; x arrives whole (through f) or as sequence shards (SP), which
+    ``async_tp`` gathers in ring steps hidden behind the multiplication."""
     if sp:
-        return GatherSequenceLinear.apply(x, weight, bias, group)
+        return (AllGatherLinear if async_tp else GatherSequenceLinear).apply(x, weight, bias, group)
     return F.linear(copy_to_tensor_parallel(x, group), weight, bias)
+
+
+def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, group: Group, sp: bool, async_tp: bool) -> torch.Tensor:
+    """The sum over the ranks of x_r W_r^T: all-reduced (g), or under SP reduce-scattered to sequence shards, which
+    ``async_tp`` does in ring steps hidden behind the multiplication."""
+    if sp and async_tp:
+        return LinearReduceScatter.apply(x, weight, group)
+    reduce = ReduceScatterToSequence if sp else ReduceFromTensorParallel
+    return reduce.apply(F.linear(x, weight), group)
+
+
+def check_async_tp(sp: bool, async_tp: bool) -> None:
+    """Async TP takes apart sequence parallelism's all-gathers and reduce-scatters; plain TP has none."""
+    if async_tp and not sp:
+        raise ValueError(
+            "async TP overlaps sequence parallelism's all-gathers and reduce-scatters with the matmuls beside them, "
+            "and plain TP has none (its all-reduces): use sequence parallelism (scheme sp, or sp=True) or drop async_tp"
+        )
 
 
 class _ShardedLinear(nn.Module):
     """What both Megatron linears share: this rank's ``weight`` shard and ``bias`` (its shard, or whole), the group,
-    and ``sp``; and cutting that shard from a whole ``nn.Linear`` along ``split_dim`` of its weight."""
+    ``sp`` and ``async_tp``; and cutting that shard from a whole ``nn.Linear`` along ``split_dim`` of its weight."""
 
     split_dim: int  # 0: output features (rows), 1: input features (columns)
     splits_bias: bool
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group = None, sp: bool = False):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group = None,
+        sp: bool = False,
+        async_tp: bool = False,
+    ):
         super().__init__()
+        check_async_tp(sp, async_tp)
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.async_tp = group, sp, async_tp
 
     @classmethod
     def _cut(cls, linear: nn.Linear, group: Group, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -229,7 +378,8 @@ class ColumnParallelLinear(_ShardedLinear):
     """A linear layer holding this rank's output features, rows of the weight and entries of the bias (§3, eq. 3):
     y_r = f(x) W_r^T + b_r, no communication forward. ``gather_output`` all-gathers the ranks' y_r into the whole y
     (a drop-in ``nn.Linear``); without it the output stays split, for a row-parallel layer or local heads. ``sp``: the
-    input arrives as sequence shards (Korthikanti et al. §4.2.2), for the tiny GPT."""
+    input arrives as sequence shards (Korthikanti et al. §4.2.2), for the tiny GPT; ``async_tp`` gathers them in
+    ring steps, each hidden behind the product of the shard in hand (:class:`AllGatherLinear`)."""
 
     split_dim, splits_bias = 0, True
 
@@ -240,13 +390,19 @@ class ColumnParallelLinear(_ShardedLinear):
         group: Group = None,
         sp: bool = False,
         gather_output: bool = False,
+        async_tp: bool = False,
     ) -> None:
-        super().__init__(weight, bias, group, sp)
+        super().__init__(weight, bias, group, sp, async_tp)
         self.gather_output = gather_output
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group: Group = None, gather_output: bool = False, sp: bool = False
+        cls,
+        linear: nn.Linear,
+        group: Group = None,
+        gather_output: bool = False,
+        sp: bool = False,
+        async_tp: bool = False,
     ) -> ColumnParallelLinear:
         """This rank's shard of ``linear``: weight rows and bias entries r*out/t .. (r+1)*out/t of rank r of t.
 
@@ -254,10 +410,10 @@ class ColumnParallelLinear(_ShardedLinear):
         :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
         """
         weight, bias = cls._cut(linear, group, "out_features of a column-parallel linear")
-        return _frozen_like(cls(weight, bias, group, sp, gather_output), linear)
+        return _frozen_like(cls(weight, bias, group, sp, gather_output, async_tp), linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sp)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sp, self.async_tp)
         return GatherFromTensorParallel.apply(y, self.group) if self.gather_output else y
 
     def unshard(self) -> nn.Linear:
@@ -274,7 +430,8 @@ class RowParallelLinear(_ShardedLinear):
     """A linear layer holding this rank's input features, columns of the weight (§3, eq. 3): y = g(sum over ranks of
     x_r W_r^T) + b, g an all-reduce (or under ``sp`` a reduce-scatter to sequence shards), the bias whole and added
     once, after the sum. The input x_r is this rank's features, as a column-parallel layer leaves them; with
-    ``input_is_parallel=False`` the layer takes the whole x and keeps its own slice."""
+    ``input_is_parallel=False`` the layer takes the whole x and keeps its own slice. ``async_tp`` (with ``sp``)
+    reduce-scatters in ring steps, each hidden behind the product of the next chunk (:class:`LinearReduceScatter`)."""
 
     split_dim, splits_bias = 1, False
 
@@ -285,13 +442,19 @@ class RowParallelLinear(_ShardedLinear):
         group: Group = None,
         sp: bool = False,
         input_is_parallel: bool = True,
+        async_tp: bool = False,
     ) -> None:
-        super().__init__(weight, bias, group, sp)
+        super().__init__(weight, bias, group, sp, async_tp)
         self.input_is_parallel = input_is_parallel
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group: Group = None, input_is_parallel: bool = True, sp: bool = False
+        cls,
+        linear: nn.Linear,
+        group: Group = None,
+        input_is_parallel: bool = True,
+        sp: bool = False,
+        async_tp: bool = False,
     ) -> RowParallelLinear:
         """This rank's shard of ``linear``: weight columns r*in/t .. (r+1)*in/t of rank r of t, the bias whole.
 
@@ -299,14 +462,12 @@ class RowParallelLinear(_ShardedLinear):
         :func:`course_lib.parallel.data.broadcast_from_first`); frozen parameters stay frozen.
         """
         weight, bias = cls._cut(linear, group, "in_features of a row-parallel linear")
-        return _frozen_like(cls(weight, bias, group, sp, input_is_parallel), linear)
+        return _frozen_like(cls(weight, bias, group, sp, input_is_parallel, async_tp), linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = ScatterToTensorParallel.apply(x, self.group)
-        partial = F.linear(x, self.weight)
-        reduce = ReduceScatterToSequence if self.sp else ReduceFromTensorParallel
-        y = reduce.apply(partial, self.group)
+        y = row_parallel_product(x, self.weight, self.group, self.sp, self.async_tp)
         return y if self.bias is None else y + self.bias
 
     def unshard(self) -> nn.Linear:
@@ -468,21 +629,30 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class TensorParallelGPT(TinyGPT):
-    """The tiny GPT with every block split over a tensor-parallel group (and, with ``sp``, its sequence).
+    """The tiny GPT with every block split over a tensor-parallel group (and, with ``sp``, its sequence; with
+    ``async_tp`` too, SP's all-gathers and reduce-scatters beside the linears taken apart into ring steps that overlap
+    the matmuls).
 
     It is built from the same seed as the reference and then split, so rank r holds exactly its shard of the
     reference's weights under the reference's parameter names.
     """
 
     def __init__(
-        self, cfg: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, group: Group = None, sp: bool = False
+        self,
+        cfg: GPTConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        group: Group = None,
+        sp: bool = False,
+        async_tp: bool = False,
     ) -> None:
         super().__init__(cfg, seed, dtype)
         t, r = dist.get_world_size(group), dist.get_rank(group)
         check_tensor_parallel(cfg, t, sp)
+        check_async_tp(sp, async_tp)
         if cfg.experts and t > 1:
             raise ValueError("the course splits no mixture of experts over tensor-parallel ranks: use a TP group of 1")
-        self.group, self.sp, self.tp, self.tp_rank = group, sp, t, r
+        self.group, self.sp, self.async_tp, self.tp, self.tp_rank = group, sp, async_tp, t, r
         h, v = cfg.d_model, cfg.vocab
         self.vocab_lo = r * v // t
         with torch.no_grad():
@@ -490,12 +660,12 @@ class TensorParallelGPT(TinyGPT):
             for block in self.blocks:
                 attn, mlp = block.attn, block.mlp
                 heads = _shard(attn.qkv.weight.unflatten(0, (3, h)), 1, r, t).flatten(0, 1)  # [q_r; k_r; v_r]
-                attn.qkv = ColumnParallelLinear(heads, None, group, sp)
-                attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp=sp)
+                attn.qkv = ColumnParallelLinear(heads, None, group, sp, async_tp=async_tp)
+                attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp=sp, async_tp=async_tp)
                 attn.heads = cfg.heads // t
                 if not cfg.experts:  # an MoE stays whole (a TP group of one rank)
-                    mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp)
-                    mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp)
+                    mlp.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sp=sp, async_tp=async_tp)
+                    mlp.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sp=sp, async_tp=async_tp)
 
     def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """The position embeddings of this rank's tokens: all of them, or its sequence shard under SP."""
@@ -513,7 +683,7 @@ class TensorParallelGPT(TinyGPT):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, (batch, seq, vocab / t)."""
         with trace.tags(layer="head"):  # the tied output head: a column-parallel linear over the vocabulary
-            return column_parallel_linear(self.ln_f(x), self.tok_emb.weight, None, self.group, self.sp)
+            return column_parallel_linear(self.ln_f(x), self.tok_emb.weight, None, self.group, self.sp, self.async_tp)
 
     def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(x)
@@ -578,6 +748,7 @@ def collectives_per_step(
     layers: range | None = None,
     first: bool = True,
     last: bool = True,
+    async_tp: bool = False,
 ) -> list[tuple]:
     """Every collective a tensor-parallel rank makes in one step of one batch, as (layer, direction, op, tensor
     bytes); by default the whole model, or a pipeline stage's ``layers`` with the embedding if ``first`` and the
@@ -592,6 +763,8 @@ def collectives_per_step(
     Full recomputation (``cfg.recompute``) runs each layer's forward again in backward, with its collectives, up to
     the last tensor the layer saves: PyTorch's checkpoint stops there (``set_checkpoint_early_stop``), so the
     MLP's closing all-reduce (or reduce-scatter) is not repeated; the recomputed ones are tagged ``recompute``.
+    Under ``async_tp`` that closing reduce-scatter is one autograd Function with the matmul before it, which saves
+    its input only once it has run, so it is repeated too.
     """
     S, small = element_size * batch * cfg.seq * cfg.d_model, element_size * batch * cfg.seq
     layers = range(cfg.layers) if layers is None else layers
@@ -612,12 +785,26 @@ def collectives_per_step(
         layer = [("forward", "all_reduce"), ("backward", "all_reduce")] * 2
         ends = [("embedding", "forward", "all_reduce"), ("head", "backward", "all_reduce")]
     if cfg.recompute == "full":
-        layer += [("recompute", op) for d, op in layer if d == "forward"][:-1]
+        layer += [("recompute", op) for d, op in layer if d == "forward"][: None if async_tp else -1]
     out = [(i, d, op, S) for i in layers for d, op in layer]
     out += [
         (where, d, op, S) for where, d, op in ends if (where == "embedding" and first) or (where == "head" and last)
     ]
     out += [("loss", "forward", "all_reduce", small)] * 3 * last
+    return out
+
+
+def async_tp_messages(collectives: list[tuple], t: int) -> list[tuple]:
+    """:func:`collectives_per_step`'s list as async TP makes it on ``t`` ranks: each all-gather and reduce-scatter
+    beside a linear (all but the embedding's) becomes t-1 ring steps, each a send and a receive of one chunk, S/t
+    bytes (:func:`ring_all_gather`, :func:`ring_reduce_scatter`); a rank sends (t-1) S/t, what the ring collective
+    sends."""
+    out = []
+    for where, direction, op, nbytes in collectives:
+        if where != "embedding" and op in ("all_gather", "reduce_scatter"):
+            out += [(where, direction, message, nbytes // t) for _ in range(t - 1) for message in ("send", "recv")]
+        else:
+            out.append((where, direction, op, nbytes))
     return out
 
 
@@ -673,9 +860,11 @@ class TensorParallelStrategy(DataParallelStrategy):
                 all_reduce_grads(self.model.sequence_parallel_params(), self.model.group)
 
 
-def train_tensor_parallel(cfg: GPTConfig, train: TrainConfig, sp: bool = False, measure_memory: bool = True) -> dict:
+def train_tensor_parallel(
+    cfg: GPTConfig, train: TrainConfig, sp: bool = False, async_tp: bool = False, measure_memory: bool = True
+) -> dict:
     """Rank function: the whole world is one tensor-parallel group; every rank sees the whole batch."""
-    model = TensorParallelGPT(cfg, train.seed, train.torch_dtype, sp=sp).to(launch.rank_device())
+    model = TensorParallelGPT(cfg, train.seed, train.torch_dtype, sp=sp, async_tp=async_tp).to(launch.rank_device())
     strategy = TensorParallelStrategy(model, train)
     report = train_loop(strategy, cfg, train, measure_memory=measure_memory, data_rank=0, data_size=1)
     return {**report, "params": model.full_params()}
@@ -731,22 +920,27 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Every collective of :func:`collectives_per_step` in ring accounting, and under SP the all-reduce of the
-    sequence-parallel gradients (:func:`sequence_parallel_grad_bytes`)."""
+    """Every collective of :func:`collectives_per_step` in ring accounting (with ``async_tp``, as ring steps:
+    :func:`async_tp_messages`), and under SP the all-reduce of the sequence-parallel gradients
+    (:func:`sequence_parallel_grad_bytes`)."""
     e, t, row = train.torch_dtype.itemsize, world_size, {}
-    for *_, op, nbytes in collectives_per_step(cfg, train.batch, e, o["sp"]):
+    step = collectives_per_step(cfg, train.batch, e, o["sp"], async_tp=o["async_tp"])
+    for *_, op, nbytes in async_tp_messages(step, t) if o["async_tp"] else step:
         row[op] = row.get(op, 0.0) + ring_factor(op, t) * nbytes
     if o["sp"]:
         row["all_reduce"] += ring_factor("all_reduce", t) * sequence_parallel_grad_bytes(cfg, e, cfg.layers)
     return [dict(row) for _ in range(world_size)]
 
 
-def _scheme(name: str, summary: str, sp: bool) -> Scheme:
+ASYNC_TP = Option("async_tp", "async TP: the all-gathers and reduce-scatters as ring steps hidden behind the matmuls")
+
+
+def _scheme(name: str, summary: str, sp: bool, options: tuple[Option, ...] = ()) -> Scheme:
     train = functools.partial(train_tensor_parallel, sp=sp)
-    return Scheme(name, summary, train, validate, predict_memory, predict_comm, axes=("tp",), checkpoint=True)
+    return Scheme(name, summary, train, validate, predict_memory, predict_comm, options, axes=("tp",), checkpoint=True)
 
 
 SCHEMES = (
     _scheme("tp", "Megatron tensor parallel: split every layer's matmuls", sp=False),
-    _scheme("sp", "tensor + sequence parallel: shard the rest along the sequence", sp=True),
+    _scheme("sp", "tensor + sequence parallel: shard the rest along the sequence", sp=True, options=(ASYNC_TP,)),
 )

@@ -205,6 +205,10 @@ def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latenc
 
 @dataclass
 class ModeledRank:
+    """One rank's modeled step: its span, compute, time with data in flight (``comm_s``: the union of its
+    transfers, so a ring step's send and receive, which run at once, count once), the part of it the rank waited
+    for (``exposed_comm_s``), idle time and its share of the span."""
+
     rank: int
     step_time_s: float
     compute_s: float
@@ -343,6 +347,16 @@ def _last_step(programs: list[list]) -> int | None:
     return max(steps) if steps else None
 
 
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals``."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def _metrics(rank: int, events: list[Event], blocked: list[tuple], step: int | None) -> ModeledRank:
     def in_step(tags: dict) -> bool:
         return step is None or tags.get("step") == step
@@ -360,7 +374,7 @@ def _metrics(rank: int, events: list[Event], blocked: list[tuple], step: int | N
         rank,
         step_time_s=span,
         compute_s=sum(e.duration for e in mine if e.kind != "comm"),
-        comm_s=sum(e.duration for e in mine if e.kind == "comm"),
+        comm_s=_covered([(e.start, e.end) for e in mine if e.kind == "comm"]),
         exposed_comm_s=exposed,
         idle_s=idle,
         bubble_fraction=idle / span if span else 0.0,

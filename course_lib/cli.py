@@ -20,6 +20,7 @@ from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, transformer_params
 from course_lib.models import GPTConfig, TrainConfig, within_capacity
+from course_lib.precision import CONVENTIONS, HALF
 
 
 def _is_lead() -> bool:
@@ -198,8 +199,13 @@ ATTENTION_NOTES = {
 
 
 # ------------------------------------------------------------------------------------------------ run
+MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
+
+
 def _train_config(args) -> TrainConfig:
-    return TrainConfig(steps=args.steps, batch=_sizes(args)["batch"], seed=args.seed, dtype=args.dtype)
+    """The training settings given on the command line; ``run``'s mixed-precision flags where given."""
+    mixed = {name: getattr(args, name) for name in MIXED_FLAGS if hasattr(args, name)}
+    return TrainConfig(steps=args.steps, batch=_sizes(args)["batch"], seed=args.seed, dtype=args.dtype, **mixed)
 
 
 # A modeled run's defaults: with the tiny GPT's (64 wide, 32 tokens, batch 8) an H100 computes a step in ~0.2 us,
@@ -245,6 +251,28 @@ def _routing_lines(counts: list, cfg: GPTConfig) -> list[str]:
         routed = torch.tensor(per_source)
         kept = within_capacity(routed, cfg)
         lines.append(f"    layer {layer}: {routed.sum(0).tolist()} -> {kept.sum(0).tolist()}")
+    return lines
+
+
+def _precision_lines(report: dict) -> list[str]:
+    """A mixed-precision run's bytes per parameter (the convention's, and rank 0's model states per parameter), its
+    losses beside the same run in fp32, and its loss scale per step with the steps skipped on overflow."""
+    p, memory = report["precision"], report["ranks"][0]["memory"]
+    b, skipped = p["bytes_per_param"], p.get("skipped_steps", [])
+    held = sum(memory[k] for k in CATEGORIES) / report["params"]
+    lines = [
+        f"  {p['convention']} precision, {p['half']}: weights {b['params']} + gradients {b['grads']} + master "
+        f"{b['master']} + moments {b['moments']} = {b['params'] + b['grads'] + b['optimizer']} bytes per parameter",
+        f"    (memory.PRECISIONS[{p['convention']!r}]); rank 0 holds {held:.2f} bytes of model states per parameter",
+        f"  fp32 losses      {[round(x, 6) for x in p['fp32_losses']]}",
+        f"  max |loss diff| vs fp32 {p['max_abs_loss_diff_vs_fp32']:.3e} (tolerance {p['tolerance_vs_fp32']:.0%} of "
+        f"the loss{'; the skipped steps trained nothing' if skipped else ''})",
+    ]
+    if "loss_scale" in p:
+        lines.append(
+            f"  loss scale per step {[f'{s:.0f}' for s in p['loss_scale']]}; skipped on overflow: steps {skipped} "
+            f"({len(skipped)} of {len(p['loss_scale'])})"
+        )
     return lines
 
 
@@ -456,7 +484,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         args,
         f"{args.scheme} on {world_size} {report['backend']} rank{'s' * (world_size != 1)}, {report['params']:,} "
         f"parameters ({shape}, "
-        f"{cfg.seq} tokens, batch {train.batch}), {args.dtype}"
+        f"{cfg.seq} tokens, batch {train.batch}), "
+        f"{args.dtype if train.precision is None else f'{train.precision} precision, {train.half}'}"
         + ("" if cfg.recompute == "none" else f", {cfg.recompute} recompute"),
     )
     if "resumed_from" in report:
@@ -478,6 +507,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         args,
         f"  max |loss diff| {report['max_abs_loss_diff']:.3e}   max |param diff| {report['max_abs_param_diff']:.3e}",
     )
+    for line in _precision_lines(report) if "precision" in report else []:
+        _say(args, line)
     _say(args, "  bytes per rank, last step:")
     for line in _rank_table(report):
         _say(args, line)
@@ -834,6 +865,18 @@ def _nonnegative_float(text: str) -> float:
     return _number(text, float, 0.0, strict=False)
 
 
+def _loss_scale(text: str) -> str | float | None:
+    """``--loss-scale``: dynamic, none, or a fixed scale greater than 0."""
+    if text in ("dynamic", "none"):
+        return None if text == "none" else text
+    try:
+        return _positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be dynamic, none or a finite number greater than 0, got {text}"
+        ) from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line (what is wrong, and where the help is), exit status 2."""
 
@@ -931,6 +974,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", type=_positive_int, help="with --hardware: GPUs per node (default: the profile's)"
     )
     training_flags(run)
+    mixed_schemes = ", ".join(name for name, spec in SCHEMES.items() if spec.precisions)
+    mixed = run.add_argument_group(f"mixed precision ({mixed_schemes})")
+    mixed.add_argument(
+        "--precision",
+        choices=CONVENTIONS,
+        default=argparse.SUPPRESS,
+        help="16-bit weights, fp32 optimizer state: mixed 16 bytes per parameter (fp32 master weights and moments), "
+        "megatron 18 (also fp32 main gradients), no-master 12 (no master copy); default: --dtype throughout",
+    )
+    mixed.add_argument("--half", choices=list(HALF), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)")
+    mixed.add_argument(
+        "--loss-scale",
+        type=_loss_scale,
+        default=argparse.SUPPRESS,
+        metavar="S",
+        help="dynamic, none, or a fixed scale (default: dynamic with fp16, none with bf16)",
+    )
+    mixed.add_argument(
+        "--initial-scale",
+        type=_positive_float,
+        default=argparse.SUPPRESS,
+        metavar="S",
+        help="where a dynamic loss scale starts (default 65536)",
+    )
     moe = run.add_argument_group("mixture of experts (ep: default 8 experts, top-2)")
     moe.add_argument("--experts", type=_natural, help="experts per layer in place of each MLP (0: dense)")
     moe.add_argument("--top-k", type=_positive_int, help="experts each token goes to")

@@ -127,11 +127,13 @@ def _unique_bytes(tensors) -> int:
 
 
 def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-    """The optimizer and the local one it wraps, if any (``.optim``: a ZeRO optimizer's, as in PyTorch's)."""
-    if optimizer is None:
-        return []
-    inner = getattr(optimizer, "optim", None)
-    return [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+    """The optimizer and those it wraps, each the ``.optim`` of the one before (a ZeRO optimizer's local optimizer,
+    as in PyTorch's; a mixed-precision optimizer's fp32 one)."""
+    chain = []
+    while isinstance(optimizer, torch.optim.Optimizer):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optim", None)
+    return chain
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -146,12 +148,22 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
 
 def _held_params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The model's parameters (a wrapper's and its ``.module``'s: FSDP's wrapper offers only its shards) and the
-    optimizer's (a sharded scheme's optimizer holds shards, not the model's)."""
+    optimizer's (a sharded scheme's optimizer holds shards, not the model's), less what an optimizer holds as its
+    state: the fp32 master weights a mixed-precision optimizer keeps, which the optimizer it wraps updates, count as
+    optimizer state."""
     params = list(model.parameters()) if model is not None else []
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module):
         params += list(inner.parameters())
-    return params + [p for o in _optimizers(optimizer) for group in o.param_groups for p in group["params"]]
+    params += [p for o in _optimizers(optimizer) for group in o.param_groups for p in group["params"]]
+    state = {_storage_key(t) for t in optimizer_tensors(optimizer)}
+    return [p for p in params if _storage_key(p) not in state]
+
+
+def _gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``params``: ``.grad`` and, where a parameter keeps one, its fp32 ``main_grad``
+    (Megatron-LM's; :func:`course_lib.precision.prepare`)."""
+    return [g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -159,7 +171,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     params = _held_params(model, optimizer)
     return {
         "params": _unique_bytes(params),
-        "grads": _unique_bytes(p.grad for p in params if p.grad is not None),
+        "grads": _unique_bytes(_gradients(params)),
         "optimizer": _unique_bytes(optimizer_tensors(optimizer)),
     }
 
@@ -210,8 +222,7 @@ class MemoryMeter(TorchDispatchMode):
         params = _held_params(model, optimizer)
         # Storage objects, not addresses: a sharded scheme re-allocates a parameter's storage in place.
         self._param_storages = {p.untyped_storage()._cdata for p in params}
-        grads = [p.grad for p in params if p.grad is not None]
-        self._initial = params + grads + optimizer_tensors(optimizer)
+        self._initial = params + _gradients(params) + optimizer_tensors(optimizer)
         self._live: dict[int, int] = {}
         self.live = 0
         self.peak = 0

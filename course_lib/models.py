@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import trace
+from course_lib import precision, trace
+from course_lib.precision import DEFAULT_SCALE
 from course_lib.recompute import apply as apply_recompute
 from course_lib.recompute import check_mode, recompute
 
@@ -79,7 +80,13 @@ class GPTConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run: the same for the reference and every parallel scheme."""
+    """One training run: the same for the reference and every parallel scheme.
+
+    ``precision`` None trains every tensor in ``dtype``; ``mixed`` (16 bytes per parameter), ``megatron`` (18) or
+    ``no-master`` (12) train with 16-bit weights of type ``half`` (``bf16`` or ``fp16``) and fp32 optimizer state
+    (:mod:`course_lib.precision`). ``loss_scale``: ``auto`` (a dynamic scale for fp16, none for bf16),
+    ``dynamic`` (starting at ``initial_scale``), a fixed number, or None (no scaler).
+    """
 
     steps: int = 3
     batch: int = 8
@@ -91,12 +98,17 @@ class TrainConfig:
     adam_eps: float = 1e-6
     seed: int = 0
     dtype: str = "float32"
+    precision: str | None = None
+    half: str = "bf16"
+    loss_scale: float | str | None = "auto"
+    initial_scale: float = DEFAULT_SCALE
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"steps and batch must be at least 1, got steps={self.steps}, batch={self.batch}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', not {self.dtype!r}")
+        precision.check_settings(self)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -359,8 +371,9 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
 
 
 def make_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses."""
-    return torch.optim.AdamW([p for p in params if p.requires_grad], **optimizer_settings(train))
+    """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses; under
+    mixed precision over fp32 copies of them (:func:`course_lib.precision.optimizer_class`)."""
+    return precision.optimizer_class(train)([p for p in params if p.requires_grad], **optimizer_settings(train))
 
 
 def optimizer_settings(train: TrainConfig) -> dict:
@@ -387,11 +400,12 @@ def build_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None =
     """The tiny GPT of ``cfg``; or, given a factory, the student's own model: ``model()`` called with torch's
     generator seeded by ``train.seed`` (so every rank and the reference build the same weights) and cast to
     ``train.dtype``. Either one maps ``(tokens, targets)``, (batch, seq) token ids of :func:`synthetic_tokens`, to
-    the mean loss. ``cfg.recompute`` applies to either (:func:`course_lib.recompute.apply` for the student's)."""
+    the mean loss. ``cfg.recompute`` applies to either (:func:`course_lib.recompute.apply` for the student's);
+    under mixed precision it is then held in the 16-bit type (:func:`course_lib.precision.prepare`)."""
     if model is None:
-        return TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype)
+        return precision.prepare(TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype), train)
     torch.manual_seed(train.seed)
-    return apply_recompute(model().to(train.torch_dtype), cfg.recompute)
+    return precision.prepare(apply_recompute(model().to(train.torch_dtype), cfg.recompute), train)
 
 
 def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.Module:
@@ -464,15 +478,17 @@ def train_reference(
     model: ModelFactory | None = None,
 ) -> TrainResult:
     """Train on one device: the ground truth that every parallel scheme must reproduce (the tiny GPT, or the
-    student's ``model``, see :func:`build_model`)."""
+    student's ``model``, see :func:`build_model`), in the run's precision: the forward under autocast and the loss
+    scaled for backward under mixed precision (:mod:`course_lib.precision`)."""
     device = torch.device(device)
     module = build_model(cfg, train, model).to(device)
     optimizer = make_optimizer(module.parameters(), train)
     losses = []
     for step in range(train.steps):
         tokens, targets = synthetic_tokens(step, train.batch, cfg, train.seed)
-        loss = module(tokens.to(device), targets.to(device))
-        loss.backward()
+        with precision.autocast(optimizer, device):
+            loss = module(tokens.to(device), targets.to(device))
+        precision.scaled(loss, optimizer).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

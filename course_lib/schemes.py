@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from course_lib import checkpoint, comm, launch
+from course_lib import checkpoint, comm, launch, precision
 from course_lib.faults import Fault, injected
 from course_lib.hardware import ModeledRun, get_profile, replay
 from course_lib.models import (
@@ -71,6 +71,9 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
             f"scheme {name!r} trains the dense tiny GPT, and this model has {cfg.experts} experts per layer; an MoE "
             f"model runs under {takers} (or set experts=0)"
         )
+    if train.precision is not None and train.precision not in spec.precisions:
+        takers = [n for n, s in SCHEMES.items() if train.precision in s.precisions]
+        raise ValueError(f"precision {train.precision!r} runs under schemes {takers}, not under {name!r}")
     if options.get("model") is not None:
         if "model" not in spec.settings({}):
             takers = [n for n, s in SCHEMES.items() if "model" in s.settings({})]
@@ -164,6 +167,11 @@ def run_scheme(
         checkpoint_async,
     )
     start = plan.start if plan is not None else 0
+    if plan is not None and train.precision is not None:
+        raise ValueError(
+            "checkpoints hold fp32 AdamW state per parameter, not a mixed-precision run's master weights and loss "
+            "scale: drop the checkpoint settings, or precision"
+        )
     if plan is not None:
         rank_fn = checkpoint.planned(rank_fn, plan)
     if fault is not None:
@@ -253,6 +261,14 @@ def run_scheme(
             "asynchronous": plan.asynchronous,
             "saves": [value.get("checkpoint_saves", []) for value in result],
         }
+    if train.precision is not None:
+        full = precision.full_precision(train)
+        fp32 = (
+            train_reference(cfg, full, model=options.get("model"))
+            if in_process
+            else reference_run(cfg, full, options.get("model"))
+        )
+        report["precision"] = precision.summary(train, result[0], losses, fp32.losses[start:])
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
     if spec.describe is not None:

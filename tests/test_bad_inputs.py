@@ -14,6 +14,7 @@ from course_lib import cli
 RUN_NUMBERS = ["--world-size", "--layers", "--hidden", "--heads", "--seq", "--steps", "--batch", "--grad-accum"]
 RUN_NUMBERS += ["--microbatches", "--chunks", "--gpus-per-node", "--tp", "--pp", "--dp", "--max-ranks"]
 NOT_POSITIVE = ["0", "-1", "nan", "inf", "1.5", "x", ""]
+MIXED = ["run", "dp", "--precision", "mixed"]
 
 BAD = (
     # run: every whole-number flag refuses 0, negatives, NaN, infinity, fractions, words and nothing
@@ -75,6 +76,17 @@ BAD = (
         (["run", "ep", "--aux-loss-coef", "-1"], "--aux-loss-coef: must be a finite number of at least 0"),
         (["run", "ep", "--grad-accum", "2"], "--grad-accum is not a setting of ep"),
         (["run", "dp", "--experts", "4"], "scheme 'dp' trains the dense tiny GPT, and this model has 4 experts"),
+        # run: mixed precision
+        (["run", "dp", "--half", "fp16"], "set up mixed precision: give precision too"),
+        (["run", "dp", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+        (["run", "tp", "--precision", "mixed"], "precision 'mixed' runs under schemes ['single', 'dp', 'zero1'"),
+        (["run", "zero3", "--precision", "megatron"], "['single', 'dp', 'zero1', 'zero2'], not under 'zero3'"),
+        ([*MIXED, "--dtype", "float64"], "mixed precision keeps fp32 master weights and moments: use dtype='float32'"),
+        ([*MIXED, "--loss-scale", "1024"], "bf16 has fp32's exponent range and needs no loss scaling"),
+        ([*MIXED, "--half", "fp16", "--loss-scale", "0"], "--loss-scale: must be dynamic, none or a finite number"),
+        ([*MIXED, "--half", "fp16", "--initial-scale", "nan"], "--initial-scale: must be a finite number greater"),
+        ([*MIXED, "--half", "fp16", "--loss-scale", "none", "--initial-scale", "8"], "use it with loss_scale="),
+        ([*MIXED, "--checkpoint-dir", "/tmp", "--checkpoint-every", "1"], "checkpoints hold fp32 AdamW state"),
         (["run", "pp", "--experts", "4"], "an MoE model runs under ['single', '3d', 'ep']"),
         (["run", "3d", "--experts", "4"], "an MoE model in the grid runs with tp 1 and cp 1, not tp 2 and cp 1"),
         (["run", "3d", "--tp", "1", "--ep", "2"], "ep 2 splits the experts of an MoE model, and this model is dense"),

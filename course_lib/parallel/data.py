@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import checkpoint, comm, faults, launch, trace
+from course_lib import checkpoint, comm, faults, launch, precision, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import MemoryMeter, adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.memory import MemoryMeter, tiny_gpt_activation_bytes
 from course_lib.models import (
     GPTConfig,
     ModelFactory,
@@ -47,13 +47,14 @@ def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
 
 
 def split_into_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of parameters of at most ``bucket_bytes`` each (a larger parameter gets its own)."""
+    """Consecutive groups of parameters whose gradients take at most ``bucket_bytes`` each (a larger one gets its
+    own), in the gradients' dtype (fp32 main gradients: :func:`course_lib.precision.grad_dtype`)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes; try --bucket-mb 0.1")
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = p.numel() * precision.grad_dtype(p).itemsize
         if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
@@ -181,12 +182,16 @@ def no_gradient_error(names: list[str], consequence: str, remedy: str) -> Runtim
 class DataParallel(nn.Module):
     """Data parallelism around any module (Li et al. 2020, §3; PyTorch's ``DistributedDataParallel``).
 
-    At construction rank 0's parameters and buffers are broadcast to the group. Gradients are all-reduced and
-    averaged in buckets of about ``bucket_mb`` megabytes (10^6 bytes; ``None``: one bucket for all), in backward
-    order, or with ``per_parameter`` one all-reduce per gradient (§3.2.1). With ``overlap`` a bucket's all-reduce
-    starts from a backward hook as soon as its last gradient exists (§3.2.2-3.2.3); otherwise all start after
-    backward. Call :meth:`finish_gradient_synchronization` after backward, before the optimizer step; inside
-    :meth:`no_sync` backward only accumulates (§3.2.4).
+    At construction rank 0's parameters and buffers are broadcast to the group. Gradients are averaged in buckets of
+    about ``bucket_mb`` megabytes (10^6 bytes; ``None``: one bucket for all), in backward order, or with
+    ``per_parameter`` one all-reduce per gradient (§3.2.1); each bucket is divided by the n ranks before it is
+    all-reduced, as PyTorch's DDP and Megatron-LM's ``gradient_scaling_factor`` do, so that a sum of fp16 gradients
+    cannot overflow where one rank's does not (for n a power of two, bit for bit the sum divided). With ``overlap``
+    a bucket's all-reduce starts from a backward hook as soon as its last gradient exists (§3.2.2-3.2.3); otherwise
+    all start after backward. Call :meth:`finish_gradient_synchronization` after backward, before the optimizer
+    step; inside :meth:`no_sync` backward only accumulates (§3.2.4). Gradients are all-reduced in their own dtype: a
+    bf16 one puts half of fp32's bytes on the wire, and an fp32 main gradient (:func:`course_lib.precision.grad_of`)
+    fp32's.
 
     A trainable parameter that got no gradient in a step is an error naming it, unless ``find_unused_parameters``,
     which counts its gradient as zero (and then starts every all-reduce after backward, in the same order on every
@@ -205,7 +210,7 @@ class DataParallel(nn.Module):
         super().__init__()
         if bucket_mb is not None and not bucket_mb > 0:
             raise ValueError(f"bucket size must be positive or None (one bucket), got {bucket_mb} MB")
-        self.module, self.group = module, group
+        self.module, self.group, self.world = module, group, dist.get_world_size(group)
         broadcast_from_first(module, group)
         params = backward_order(module)
         bucket_bytes = math.inf if bucket_mb is None else bucket_mb * 1e6
@@ -224,7 +229,7 @@ class DataParallel(nn.Module):
         return self.ready.paused()
 
     def _launch(self, i: int) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        flat = torch.cat([precision.grad_of(p).reshape(-1) for p in self.buckets[i]]).div_(self.world)
         with trace.tags(bucket=i):
             self._in_flight[i] = flat, comm.all_reduce(flat, group=self.group, async_op=True)
 
@@ -239,18 +244,16 @@ class DataParallel(nn.Module):
                 "pass find_unused_parameters=True to count their gradients as zero",
             )
         for p in missing:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if precision.grad_of(p) is None:
+                precision.set_grad(p, torch.zeros_like(p, dtype=precision.grad_dtype(p)))
         for i in range(len(self.buckets)):
             if i not in self._in_flight:
                 self._launch(i)
-        n = dist.get_world_size(self.group)
         for i in sorted(self._in_flight):
             flat, handle = self._in_flight[i]
             handle.wait()
-            flat.div_(n)
             for p, averaged in zip(self.buckets[i], split_like(flat, self.buckets[i]), strict=True):
-                p.grad.copy_(averaged)
+                precision.grad_of(p).copy_(averaged)
         self._in_flight = {}
 
 
@@ -272,16 +275,17 @@ def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
 
 def accumulate(strategy: DataParallelStrategy, grad_accum: int, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """Forward and backward of a rank's batch in ``grad_accum`` micro-batches (loss scaled by 1/grad_accum, all but
-    the last under ``no_sync``); returns the batch's loss."""
-    device, loss_sum = launch.rank_device(), 0.0
+    the last under ``no_sync``); returns the batch's loss. Under mixed precision the forward runs under autocast and
+    backward starts from the loss times the loss scale (:func:`course_lib.precision.autocast`, ``scaled``)."""
+    device, loss_sum, optimizer = launch.rank_device(), 0.0, strategy.optimizer
     pairs = zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True)
     for k, (x, y) in enumerate(pairs):
         quiet = strategy.no_sync() if k < grad_accum - 1 else contextlib.nullcontext()
         with quiet, trace.tags(microbatch=k):
-            with trace.span("forward"):
+            with trace.span("forward"), precision.autocast(optimizer, device):
                 loss = strategy.model(x.to(device), y.to(device)) / grad_accum
             with trace.span("backward"):
-                loss.backward()
+                precision.scaled(loss, optimizer).backward()
         loss_sum += loss.item()
     return loss_sum
 
@@ -302,12 +306,13 @@ def train_loop(
     Each step: ``run_batch(tokens, targets)`` runs forward and backward of the rank's batch and returns its loss
     (default: :func:`accumulate` over ``grad_accum`` micro-batches; a pipeline runs its schedule), then the
     strategy's gradient sync and the optimizer step (a ZeRO optimizer's all-gathers the parameters after it, in the
-    ``param_sync`` phase) with the strategy's ``zero_grad``. ``measure_memory`` runs the
-    last step (the one reported) under a :class:`MemoryMeter`, whose per-operator bookkeeping roughly doubles a CPU
-    step; benchmarks turn it off. The batch is split over ``data_size`` data-parallel ranks (default: all ranks),
-    this rank taking share ``data_rank``. Each step tells the launcher it began (:func:`launch.began_step`) and
-    passes the points where an injected fault may fire (:func:`course_lib.faults.reach`: forward, grad_sync,
-    optimizer).
+    ``param_sync`` phase) with the strategy's ``zero_grad``; under fp16 with a loss scaler a step whose gradients
+    overflowed is skipped, and the report adds each step's ``loss_scale`` and the ``skipped_steps``.
+    ``measure_memory`` runs the last step (the one reported) under a :class:`MemoryMeter`, whose per-operator
+    bookkeeping roughly doubles a CPU step; benchmarks turn it off. The batch is split over ``data_size``
+    data-parallel ranks (default: all ranks), this rank taking share ``data_rank``. Each step tells the launcher it
+    began (:func:`launch.began_step`) and passes the points where an injected fault may fire
+    (:func:`course_lib.faults.reach`: forward, grad_sync, optimizer).
 
     Checkpoints (:mod:`course_lib.checkpoint`), when the run has a plan (``run_scheme(checkpoint_dir=,
     checkpoint_every=, resume=)``): a resume loads the model's and optimizer's state before the first step and
@@ -343,6 +348,7 @@ def train_loop(
         if saver is not None:
             saver.after_step(step)
     report = {"losses": losses, "memory": meter.report().as_dict() if meter else None, "coords": strategy.coords}
+    report |= precision.scaling_report(optimizer)
     if saver is not None:
         saver.finish()
         report["checkpoint_saves"] = saver.timings
@@ -419,30 +425,34 @@ def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dic
 
 def on_every_rank(states: dict, world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """The same predicted ``states`` for every rank, with the activations of one micro-batch where a formula
-    gives them: the dense tiny GPT's (:func:`activation_bytes`); a student's model has none, and what an MoE's
-    experts save depends on the routing, so for those only the states."""
+    gives them: the dense tiny GPT's in one dtype (:func:`activation_bytes`); a student's model has none, what an
+    MoE's experts save depends on the routing, and under autocast the saved tensors mix 16-bit and fp32 ones, so for
+    those only the states."""
     row = dict(states)
-    if o.get("model") is None and not cfg.experts:
+    if o.get("model") is None and not cfg.experts and train.precision is None:
         row["activations"] = activation_bytes(world_size, cfg, train, o)
     return [dict(row) for _ in range(world_size)]
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Every rank holds the whole model: with e bytes per element, P trainable and F frozen parameters in T
-    trainable tensors, eP + eF of parameters, eP of gradients and 2eP + 4T of AdamW state; and the activations of
-    one micro-batch."""
+    """Every rank holds the whole model: with P trainable and F frozen parameters in T trainable tensors, at the
+    run's bytes per element (:func:`course_lib.precision.convention`: in fp32 4 for a weight and a gradient and 8 of
+    AdamW state; in mixed precision 2, 2 and 12 with the master copy), weights of P + F, gradients of P, optimizer
+    state of P and AdamW's 4-byte step counter per tensor; and the activations of one micro-batch."""
     model = build_model(cfg, train, o.get("model"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = count_params(model, trainable_only=False) - count_params(model)
-    row = adamw_state_bytes(train.torch_dtype.itemsize, sum(p.numel() for p in trainable), frozen, len(trainable))
+    numel = sum(p.numel() for p in trainable)
+    row = precision.state_bytes(train, numel + frozen, numel, numel, len(trainable))
     return on_every_rank(row, world_size, cfg, train, o)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Each rank all-reduces every gradient once per step, 2(n-1)/n x eP bytes, however they are bucketed."""
+    """Each rank all-reduces every gradient once per step, 2(n-1)/n x eP bytes, however they are bucketed, e the
+    gradients' bytes per element: half of fp32's in bf16 or fp16, fp32's for Megatron's main gradients."""
     if world_size == 1:
         return [{}]  # one data-parallel rank has nothing to synchronise
-    e = train.torch_dtype.itemsize
+    e = precision.convention(train).grads
     sent = ring_factor("all_reduce", world_size) * e * count_params(build_model(cfg, train, o.get("model")))
     return [{"all_reduce": sent} for _ in range(world_size)]
 
@@ -459,6 +469,7 @@ SCHEMES = (
         axes=(),
         moe=True,
         checkpoint=True,
+        precisions=precision.CONVENTIONS,
     ),
     Scheme(
         "dp",
@@ -469,5 +480,6 @@ SCHEMES = (
         predict_comm,
         (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM, MODEL),
         checkpoint=True,
+        precisions=precision.CONVENTIONS,
     ),
 )

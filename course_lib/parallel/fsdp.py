@@ -30,10 +30,18 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves, tree_map
 
-from course_lib import comm, launch, trace
+from course_lib import comm, launch, precision, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import adamw_state_bytes, resize_storage
-from course_lib.models import GPTConfig, ModelFactory, TinyGPT, TrainConfig, build_model, count_params, make_optimizer
+from course_lib.memory import resize_storage
+from course_lib.models import (
+    GPTConfig,
+    ModelFactory,
+    TinyGPT,
+    TrainConfig,
+    build_model,
+    count_params,
+    optimizer_settings,
+)
 from course_lib.parallel.data import (
     GRAD_ACCUM,
     MODEL,
@@ -137,7 +145,7 @@ class ShardedUnit:
         """Start summing the unit's gradients (zero for a parameter that got none) into this rank's slice; the
         full gradients and parameters are freed. Returns the slice being written and the collective's handle."""
         grads = [self.full.new_zeros(p.shape) if p.grad is None else p.grad for p in self.params]
-        flat = self.flat.flatten(grads)
+        flat = self.flat.flatten(grads).div_(dist.get_world_size(self.group))  # averaged as DataParallel averages
         for p in self.params:
             p.grad = None
         self.free()
@@ -307,10 +315,9 @@ class FullyShardedDataParallel(nn.Module):
             raise no_gradient_error(
                 names, "their unit cannot be reduce-scattered", "pass find_unused_parameters=True to count them as zero"
             )
-        n = dist.get_world_size(self.group)
         for unit, out, handle in self._in_flight:
             handle.wait()
-            grad = out.div_(n).to(unit.shard.dtype)
+            grad = out.to(unit.shard.dtype)
             unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad.add_(grad)
         self._in_flight = []
 
@@ -360,10 +367,13 @@ def train_fsdp(
     model: ModelFactory | None = None,
 ) -> dict:
     """Rank function: ZeRO-3, the tiny GPT in :class:`FullyShardedDataParallel` with :func:`gpt_blocks` units (or
-    the student's ``model`` with one unit per child); ``overlap`` prefetches the next unit's parameters."""
+    the student's ``model`` with one unit per child); ``overlap`` prefetches the next unit's parameters. Under mixed
+    precision the module is held in 16 bits, so are its shards, and AdamW in a
+    :class:`course_lib.precision.MixedPrecisionOptimizer` keeps fp32 master weights and moments of the shards."""
     module = build_model(cfg, train, model).to(launch.rank_device())
     fsdp = FullyShardedDataParallel(module, policy_for(model), reshard_after_forward, prefetch=overlap)
-    strategy = FullyShardedStrategy(fsdp, make_optimizer(fsdp.parameters(), train))
+    optimizer = precision.optimizer_class(train, sharded=True)(fsdp.parameters(), **optimizer_settings(train))
+    strategy = FullyShardedStrategy(fsdp, optimizer)
     report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
     return {**report, "params": fsdp.full_params()}
 
@@ -385,24 +395,29 @@ def _unit_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) ->
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """With e bytes per element and the units padded to a multiple of n (Pad elements in k units), a rank keeps
-    e Pad/n of parameters (plus the frozen ones whole), e Pad/n of gradients, 2e Pad/n + 4k of AdamW state (§5.3),
+    """With the units padded to a multiple of n (Pad elements in k units), a rank keeps weights, gradients and
+    optimizer state of Pad/n (plus the frozen weights whole) with AdamW's step counter per unit (§5.3), at the run's
+    bytes per element (:func:`course_lib.precision.state_bytes`: (2 + 2 + 12)/n per parameter in mixed precision),
     and the activations of one micro-batch."""
     model = build_model(cfg, train, o["model"])
     sizes = unit_sizes(model, world_size, policy_for(o["model"]))
     frozen = count_params(model, trainable_only=False) - count_params(model)
-    row = adamw_state_bytes(train.torch_dtype.itemsize, sum(sizes) // world_size, frozen, len(sizes))
-    return on_every_rank(row, world_size, cfg, train, o)
+    shard = sum(sizes) // world_size
+    return on_every_rank(
+        precision.state_bytes(train, shard + frozen, shard, shard, len(sizes)), world_size, cfg, train, o
+    )
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Per micro-batch every unit is all-gathered twice (forward and backward; once without resharding after
-    forward) and reduce-scattered once, (n-1)/n x e Pad bytes each."""
-    part = (
-        ring_factor("all_gather", world_size) * train.torch_dtype.itemsize * sum(_unit_sizes(world_size, cfg, train, o))
-    )
+    forward) and reduce-scattered once, (n-1)/n x e Pad bytes each, e the bytes of a weight (2 in bf16); with a loss
+    scaler the ranks agree whether any shard's gradients overflowed: one all-reduced flag per step."""
+    part = ring_factor("all_gather", world_size) * precision.convention(train).params
+    part *= sum(_unit_sizes(world_size, cfg, train, o))
     gathers = 2 if o["reshard_after_forward"] else 1
     row = {"all_gather": gathers * o["grad_accum"] * part, "reduce_scatter": o["grad_accum"] * part}
+    if flag := precision.overflow_check_bytes(train, world_size):
+        row["all_reduce"] = flag
     return [dict(row) for _ in range(world_size)]
 
 
@@ -416,5 +431,6 @@ SCHEMES = (
         predict_comm,
         (OVERLAP, GRAD_ACCUM, RESHARD, MODEL),
         checkpoint=True,
+        precisions=("mixed", "no-master"),  # Megatron's fp32 main gradients come with its DDP and ZeRO-1 alone
     ),
 )

@@ -61,7 +61,8 @@ class Scheme:
     collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key. ``checkpoint`` says
     whether the scheme's state is one :mod:`course_lib.checkpoint` can save and resume (parameters with AdamW, whole,
     as tensor-parallel shards or pipeline stages, or their slices in ZeRO's and FSDP's flat buffers); the harness
-    refuses checkpoint settings for the others.
+    refuses checkpoint settings for the others. ``precisions`` are the mixed-precision conventions the scheme trains
+    in (``TrainConfig.precision``: :mod:`course_lib.precision`); the harness refuses the others.
     """
 
     name: str
@@ -78,6 +79,7 @@ class Scheme:
     model_settings: dict = field(default_factory=dict)
     routed_comm: Callable[[list[dict], GPTConfig, TrainConfig, dict], list[dict]] | None = None
     checkpoint: bool = False
+    precisions: tuple[str, ...] = ()
 
     def settings(self, options: dict) -> dict:
         """Every keyword of the rank function: ``options`` over its defaults. Refuses an option the scheme does not

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, launch, trace
+from course_lib import comm, launch, precision, trace
 from course_lib.comm import Group, ring_factor
 from course_lib.models import (
     GPTConfig,
@@ -54,6 +54,7 @@ from course_lib.parallel.data import (
     train_loop,
 )
 from course_lib.parallel.interface import Scheme
+from course_lib.precision import copy_hyperparameters, drop_grad, grad_of, set_grad
 
 
 class FlatShard:
@@ -164,7 +165,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             inner_groups.append({**hyper, "params": self._slices[first:]})
         self.optim = optimizer_class(inner_groups, **defaults)
         self.defaults = self.optim.defaults
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the inner optimizer's defaults too
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the inner optimizer's defaults too
         self._in_flight: list[tuple[int, torch.Tensor, comm.Handle]] = []
         self._reduced: set[int] = set()  # buckets reduce-scattered since the last step
         self._synchronized = False  # the slices' gradients are set for the coming step
@@ -190,17 +191,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Start summing bucket ``i``'s gradients into this rank's slice (at stage 2 the full ones are dropped)."""
         bucket = self.buckets[i]
         arrived = self.ready.arrived if self.ready is not None and self.stage == 2 else None
-        missing = [p for p in bucket.params if p.grad is None and (arrived is None or id(p) not in arrived)]
+        missing = [p for p in bucket.params if grad_of(p) is None and (arrived is None or id(p) not in arrived)]
         if missing:
             raise no_gradient_error(
                 [self._names[id(p)] for p in missing],
                 "their slices cannot be reduce-scattered",
                 "at stage 1, zero gradients with zero_grad(set_to_none=False) so that theirs count as zero",
             )
-        flat = bucket.flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in bucket.params])
+        grads = [grad_of(p) for p in bucket.params]
+        zeros = [
+            torch.zeros_like(p, dtype=precision.grad_dtype(p)) if g is None else g
+            for p, g in zip(bucket.params, grads, strict=True)
+        ]
+        flat = bucket.flatten(zeros).div_(dist.get_world_size(self.group))  # averaged as DataParallel averages
         if self.stage == 2:
             for p in bucket.params:
-                p.grad = None
+                drop_grad(p)
         out = flat.new_empty(bucket.shard_numel)
         with trace.tags(bucket=i):
             self._in_flight.append((i, out, comm.reduce_scatter(out, flat, group=self.group, async_op=True)))
@@ -212,14 +218,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         :meth:`step` calls it; call it yourself to see the slices' gradients before stepping."""
         if not self.average_gradients:
             for bucket, shard in zip(self.buckets, self._slices, strict=True):
-                missing = [p for p in bucket.params if p.grad is None]
+                missing = [p for p in bucket.params if grad_of(p) is None]
                 if missing:
                     raise no_gradient_error(
                         [self._names[id(p)] for p in missing],
                         "this rank cannot take their slice",
                         "count their gradients as zero (DataParallel(find_unused_parameters=True) does)",
                     )
-                shard.grad = bucket.flatten([p.grad for p in bucket.params])[bucket.lo : bucket.hi].clone()
+                set_grad(shard, bucket.flatten([grad_of(p) for p in bucket.params])[bucket.lo : bucket.hi].clone())
             self._synchronized = True
             return
         partial = self.ready.partly_arrived() if self.ready is not None else set()
@@ -228,11 +234,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._reduce_scatter(i)
         if self.ready is not None:
             self.ready.reset()
-        n = dist.get_world_size(self.group)
         for i, out, handle in self._in_flight:
             handle.wait()
-            grad, shard = out.div_(n), self._slices[i]
-            shard.grad = grad if self.stage == 1 or shard.grad is None else shard.grad.add_(grad)
+            shard = self._slices[i]
+            set_grad(shard, out if self.stage == 1 or grad_of(shard) is None else grad_of(shard).add_(out))
         self._in_flight = []
         self._synchronized = True
 
@@ -248,13 +253,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             self.finish_gradient_synchronization()
         self._reduced, self._synchronized = set(), False
-        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)
         self.optim.step()
         for shard in self._slices:
             if self.stage == 1:
-                shard.grad = None  # the full gradients are the module's .grad
-            elif shard.grad is not None:
-                shard.grad.zero_()  # stage 2 keeps its slice's buffer for the next step
+                drop_grad(shard)  # the full gradients are the module's .grad
+            elif grad_of(shard) is not None:
+                grad_of(shard).zero_()  # stage 2 keeps its slice's buffer for the next step
         with trace.tags(phase="param_sync"):
             handles = [
                 comm.all_gather(full, shard.detach().clone(), group=self.group, async_op=True)
@@ -276,6 +281,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        precision.zero_main_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
         self.optim.zero_grad(set_to_none)
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
@@ -290,13 +296,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`state_dict` saved on this rank, into a ZeroRedundancyOptimizer laid out the same way."""
         self.optim.load_state_dict(state_dict)
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
-
-
-def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
-    """Copy every setting but the parameters from each group of ``source`` to the same group of ``target``."""
-    for src, dst in zip(source, target, strict=True):
-        dst.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
 
 class ShardedStrategy(DataParallelStrategy):
@@ -321,11 +321,13 @@ def train_zero(
     model: ModelFactory | None = None,
 ) -> dict:
     """Rank function: the tiny GPT (or the student's ``model``) trained by a :class:`ZeroRedundancyOptimizer` of
-    AdamW at ``stage`` 1 or 2."""
+    AdamW at ``stage`` 1 or 2; under mixed precision of AdamW in a
+    :class:`course_lib.precision.MixedPrecisionOptimizer`, so that each rank keeps the master weights and moments of
+    its slice alone."""
     module = build_model(cfg, train, model).to(launch.rank_device())
     optimizer = ZeroRedundancyOptimizer(
         module.named_parameters(),
-        torch.optim.AdamW,
+        precision.optimizer_class(train, sharded=True),
         stage,
         bucket_mb=bucket_mb,
         overlap=overlap,
@@ -347,37 +349,49 @@ def _bucket_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) 
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """With e bytes per element, P trainable and F frozen parameters, and the flat buffers padded to a multiple of
-    n (Pad elements in k buffers), a rank keeps e Pad + e F of parameters (the module's are views into the buffers),
-    2e Pad/n + 4k of AdamW state (stage 1, §5.1), e P of gradients at stage 1 (the module's own .grad) and only
-    e Pad/n at stage 2 (§5.2), and the activations of one micro-batch."""
+    """With P trainable and F frozen parameters, and the flat buffers padded to a multiple of n (Pad elements in k
+    buffers), a rank keeps the weights of Pad + F (the module's are views into the buffers), the optimizer state of
+    Pad/n (stage 1, §5.1) with AdamW's step counter per buffer, the gradients of P at stage 1 (the module's own
+    .grad) and only of Pad/n at stage 2 (§5.2), at the run's bytes per element
+    (:func:`course_lib.precision.state_bytes`: in mixed precision 2 + 2 + 12/n bytes per parameter at stage 1); and
+    the activations of one micro-batch."""
     model = build_model(cfg, train, o["model"])
     sizes = bucket_sizes(model, world_size, o["bucket_mb"])
     trainable, frozen = count_params(model), count_params(model, trainable_only=False) - count_params(model)
-    e, n, pad = train.torch_dtype.itemsize, world_size, sum(sizes)
-    row = {
-        "params": e * (pad + frozen),
-        "grads": e * (pad // n if o["stage"] == 2 else trainable),
-        "optimizer": 2 * e * pad // n + 4 * len(sizes),
-    }
-    return on_every_rank(row, world_size, cfg, train, o)
+    n, pad = world_size, sum(sizes)
+    grads = pad // n if o["stage"] == 2 else trainable
+    return on_every_rank(precision.state_bytes(train, pad + frozen, grads, pad // n, len(sizes)), n, cfg, train, o)
 
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Each bucket's gradients are reduce-scattered and its updated parameters all-gathered, (n-1)/n x e Pad bytes
-    each; stage 2 reduce-scatters every micro-batch."""
+    each, e the bytes of a gradient and of a weight (:func:`course_lib.precision.convention`; 2 for bf16, 4 for
+    Megatron's fp32 main gradients); stage 2 reduce-scatters every micro-batch. With a loss scaler the ranks agree
+    whether any slice's gradients overflowed: one all-reduced flag."""
     n, k = world_size, o["grad_accum"]
     if n == 1:
         return [{}]
-    part = ring_factor("all_gather", n) * train.torch_dtype.itemsize * sum(_bucket_sizes(n, cfg, train, o))
-    return [{"reduce_scatter": (k if o["stage"] == 2 else 1) * part, "all_gather": part} for _ in range(n)]
+    part = ring_factor("all_gather", n) * sum(_bucket_sizes(n, cfg, train, o))
+    c = precision.convention(train)
+    row = {"reduce_scatter": (k if o["stage"] == 2 else 1) * c.grads * part, "all_gather": c.params * part}
+    if flag := precision.overflow_check_bytes(train, n):
+        row["all_reduce"] = flag
+    return [dict(row) for _ in range(n)]
 
 
 def _scheme(stage: int, summary: str) -> Scheme:
     train = functools.partial(train_zero, stage=stage)
     options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM, MODEL)
     return Scheme(
-        f"zero{stage}", summary, train, check_batch_split, predict_memory, predict_comm, options, checkpoint=True
+        f"zero{stage}",
+        summary,
+        train,
+        check_batch_split,
+        predict_memory,
+        predict_comm,
+        options,
+        checkpoint=True,
+        precisions=precision.CONVENTIONS,
     )
 
 

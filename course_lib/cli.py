@@ -1139,7 +1139,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RankError as err:  # the failing rank's own lines, not the launcher's traceback
         if _is_lead():
-            print(f"course-lib {args.command}: {err}", file=sys.stderr)
+            # A numerical diagnosis (fp16 gradients overflowing) says what to change; its traceback adds nothing.
+            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else err
+            print(f"course-lib {args.command}: {said}", file=sys.stderr)
         return 1
     except SystemExit as stop:  # a refusal: under torchrun every rank refuses, rank 0 says why
         if isinstance(stop.code, str) and not _is_lead():

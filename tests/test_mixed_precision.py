@@ -190,3 +190,27 @@ def test_the_optimizer_takes_16_bit_parameters_only():
     with pytest.raises(ValueError, match=r"one 16-bit type \(bf16, fp16\), got \['torch.float32'\]: cast the model"):
         MixedPrecisionOptimizer(TinyGPT(CFG).parameters(), lr=1e-3)
     assert precision.find(torch.optim.AdamW(TinyGPT(CFG).parameters())) is None
+
+
+LOUD_FILE = """
+from course_lib.models import GPTConfig, TinyGPT
+
+
+class Loud(TinyGPT):
+    def forward(self, tokens, targets=None):
+        return super().forward(tokens, targets) * 1e6
+
+
+def build():
+    return Loud(GPTConfig())
+"""
+
+
+def test_the_command_line_says_an_fp16_overflow_without_a_scaler_in_one_line(tmp_path, capsys):
+    from course_lib.cli import main
+
+    (tmp_path / "loud.py").write_text(LOUD_FILE)
+    argv = ["run", "dp", "--world-size", "2", "--steps", "1", "--precision", "mixed", "--half", "fp16"]
+    assert main([*argv, "--loss-scale", "none", "--model", f"{tmp_path / 'loud.py'}:build"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fp16 gradients overflowed at step 0 with no loss scaler" in err

@@ -195,11 +195,9 @@ def run_schedule(
                 if stage.index - 1 in local and key not in inputs:  # the turn of a V: this rank's previous stage
                     inputs[key] = outputs[(a.microbatch, local[stage.index - 1])].detach().requires_grad_(True)
                 with trace.span("forward"):
-                    x = tokens[a.microbatch].to(device) if stage.first else inputs[key]
-                    out = stage(x, targets[a.microbatch].to(device) if stage.last else None)
-                    outputs[key] = out / m if stage.last else out
+                    outputs[key] = _forward(stage, tokens[a.microbatch], targets[a.microbatch], inputs.get(key), m)
                 if stage.last:
-                    losses.append(out.item() / m)
+                    losses.append(outputs[key].item())
             elif a.kind == "SEND_F":
                 sends.append(comm.isend(outputs[key].detach(), peer(a), group))
             elif a.kind == "RECV_B":
@@ -221,6 +219,14 @@ def run_schedule(
     for handle in sends:
         handle.wait()
     return losses
+
+
+def _forward(stage: PipelineStage, tokens, targets, inp, m: int) -> torch.Tensor:
+    """F: the stage's output, or on the last stage its loss over ``m`` (a function, so that no local name keeps the
+    microbatch's graph, and with it what a recomputed segment keeps, alive after its W)."""
+    device = launch.rank_device()
+    out = stage(tokens.to(device) if stage.first else inp, targets.to(device) if stage.last else None)
+    return out / m if stage.last else out
 
 
 def _backward(out, grad, inp, split: bool) -> None:

@@ -20,6 +20,7 @@ from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.launch import RankError
 from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, transformer_params
 from course_lib.models import GPTConfig, TrainConfig, within_capacity
+from course_lib.parallel.schedules import SCHEDULES
 from course_lib.precision import CONVENTIONS, HALF
 
 
@@ -530,14 +531,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from course_lib.parallel.schedules import Costs, bubble_formula, check, formula_text, generate, simulate
+    from course_lib.parallel.schedules import (
+        Costs,
+        bubble_formula,
+        check,
+        chunks_per_rank,
+        formula_text,
+        generate,
+        simulate,
+    )
 
     costs = Costs(args.f, args.b, args.w)
     try:
         tables = generate(args.schedule, args.stages, args.microbatches, args.chunks, costs)
     except ValueError as err:
         raise SystemExit(f"schedule: {err}") from None
-    check(tables, args.microbatches, args.chunks)
+    check(tables, args.microbatches, chunks_per_rank(args.schedule, args.chunks))
     sim = simulate(tables, costs)
     formula = bubble_formula(args.schedule, args.stages, args.microbatches, args.chunks, costs)
     data = {
@@ -563,7 +572,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     _say(
         args,
         f"  makespan {sim.makespan:g}, bubble fraction {sim.bubble_fraction:.4f} "
-        f"({formula_text(formula)}), peak microbatches in flight per stage {sim.peak_inflight}",
+        f"({formula_text(formula, args.schedule)}), peak microbatches in flight per stage {sim.peak_inflight}",
     )
     for r, table in enumerate(tables):
         _say(args, f"  rank {r}: " + " ".join(str(a) for a in table if a.kind in ("F", "B", "W")))
@@ -1031,7 +1040,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     sch = sub.add_parser("schedule", help="generate, check and simulate a pipeline schedule (no ranks)")
-    sch.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
+    sch.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     sch.add_argument("--stages", type=_positive_int, default=4)
     sch.add_argument("--microbatches", type=_positive_int, default=8)
     sch.add_argument("--chunks", type=_positive_int, default=1)
@@ -1045,7 +1054,7 @@ def build_parser() -> argparse.ArgumentParser:
     hw.set_defaults(func=cmd_hardware)
 
     from course_lib.hardware import PROFILES
-    from course_lib.plan import PRESETS
+    from course_lib.plan import PIPELINE_SCHEDULES, PRESETS
 
     pl = sub.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
     pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
@@ -1063,7 +1072,7 @@ def build_parser() -> argparse.ArgumentParser:
     for axis in ("tp", "pp", "dp", "cp", "ep"):
         given.add_argument(f"--{axis}", type=_positive_int)
     given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
-    given.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1"], help="pipeline schedule (default 1f1b)")
+    given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
     given.add_argument("--chunks", type=_positive_int, help="model chunks per pipeline rank (v), interleaved")
     given.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default none)")
     given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")

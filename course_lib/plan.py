@@ -46,7 +46,7 @@ from course_lib.memory import (
     params_from_dims,
     transformer_params,
 )
-from course_lib.parallel.schedules import Costs, bubble_formula, bubble_ratio
+from course_lib.parallel.schedules import Costs, bubble_formula, bubble_ratio, chunks_per_rank, peak_activations
 
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
 DEFAULT_SEQ = 2048  # GPT-3's context (Brown et al. 2020)
@@ -383,7 +383,7 @@ class Candidate:
     cp: int = 1
     ep: int = 1
     schedule: str = "1f1b"  # the pipeline schedule (:data:`PIPELINE_SCHEDULES`)
-    chunks: int = 1  # model chunks per pipeline rank (v), more than 1 only interleaved
+    chunks: int = 1  # model chunks per pipeline rank (v), more than 1 only interleaved (zb-v, dualpipev fix 2)
     attention: str = "flash"  # the attention kernel (:data:`ATTENTION`)
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022, §4.2.2)
     model_flops: float = 0.0  # per step, :func:`flops_per_token` x tokens
@@ -441,8 +441,9 @@ def describe(c: Candidate, zero0: bool = True) -> str:
 
 
 def schedule_name(schedule: str, chunks: int = 1) -> str:
-    """ "1F1B", "interleaved v=4" or "ZB-H1"."""
-    return {"1f1b": "1F1B", "zb-h1": "ZB-H1"}.get(schedule, f"interleaved v={chunks}")
+    """ "1F1B", "interleaved v=4", "ZB-H1", "ZB-H2", "ZB-V" or "DualPipeV"."""
+    names = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V", "dualpipev": "DualPipeV"}
+    return names.get(schedule, f"interleaved v={chunks}")
 
 
 def _bytes(x: float) -> str:
@@ -543,17 +544,31 @@ def layouts(
     return out
 
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what the planner costs (the schedules module has GPipe too)
+# What the planner costs (the schedules module has GPipe too): the search ranks the first three
+# (:func:`pipeline_schedules`); the others it evaluates for a given layout and beside its choice
+# (:func:`beyond_search`).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 
 
 def pipeline_schedules(layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
-    """(schedule, chunks) a pipeline of ``pp`` stages can run ``microbatches`` with: none but 1F1B's trivial one
-    without a pipeline; else 1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1), ZB-H1 (Qi et al. 2023, §3.1;
-    at least p microbatches, as every layout here has) and interleaved 1F1B with each v of
-    :func:`interleave_chunks`."""
+    """(schedule, chunks) the search tries on a pipeline of ``pp`` stages with ``microbatches``: none but 1F1B's
+    trivial one without a pipeline; else 1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1), ZB-H1 (Qi et al.
+    2023, §3.1; at least p microbatches, as every layout here has) and interleaved 1F1B with each v of
+    :func:`interleave_chunks`: what the published runs the planner is checked against could run."""
     if pp == 1:
         return [("1f1b", 1)]
     return [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in interleave_chunks(layers, pp, microbatches)]
+
+
+def v_schedules(layers: int, pp: int, microbatches: int) -> list[str]:
+    """The schedules past ZB-H1 a pipeline of ``pp`` stages can run ``microbatches`` with, where their bubble has
+    its closed form: ZB-H2 (Qi et al. 2023, §3.1) and ZB-V (§6) with at least 2p-1 microbatches, DualPipeV
+    (DeepSeek-AI 2024, §3.2.1) with at least 2p; the last two only if a stage's ceil(L/p) layers cut into the V's 2
+    equal chunks."""
+    out = ["zb-h2"] if microbatches >= 2 * pp - 1 else []
+    if math.ceil(layers / pp) % 2 == 0:
+        out += ["zb-v"] * (microbatches >= 2 * pp - 1) + ["dualpipev"] * (microbatches >= 2 * pp)
+    return out
 
 
 def interleave_chunks(layers: int, pp: int, microbatches: int) -> list[int]:
@@ -776,12 +791,13 @@ def tp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfi
 def pp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
     """Point-to-point traffic, not overlapped: per microbatch and model chunk an activation forward and its
     gradient back, each b x s/cp x h / t 16-bit values (scatter/gather, Narayanan et al. 2021, §4.1; sequence
-    parallelism splits them the same way); the interleaved schedule sends v times as many (§2.2.2)."""
+    parallelism splits them the same way); the interleaved schedule sends v times as many (§2.2.2), a V (ZB-V,
+    DualPipeV) twice as many."""
     if c.pp == 1:
         return 0.0
     size = 2 * micro_batch * model.seq / c.cp * model.hidden / c.tp
     one = _time_on(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["pp"], gpus_per_node, "send", size)
-    return 2 * c.chunks * c.microbatches * one
+    return 2 * chunks_per_rank(c.schedule, c.chunks) * c.microbatches * one
 
 
 def _kv_width(model: Model, tp: int) -> float:
@@ -903,6 +919,7 @@ def evaluate(
         chunks=chunks,
         **model.memory_shape(),
     )
+    _schedule_activations(memory, schedule, pp, m)
     c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
     c.cp, c.ep, c.schedule, c.chunks, c.attention, c.sp = cp, ep, schedule, chunks, attention, sp
     c.bubble_fraction = bubble_formula(schedule, pp, m, chunks, schedule_costs(recompute)) if pp > 1 else 0.0
@@ -911,6 +928,17 @@ def evaluate(
     _throughput(model, c, gpus, global_batch, profile, precision)
     c.placement = placement(c, profile, gpus_per_node)
     return c
+
+
+def _schedule_activations(memory: dict, schedule: str, pp: int, m: int) -> None:
+    """Scale :func:`memory_formula`'s 1F1B activations (the interleaved schedule's it scales itself) by the
+    microbatches a schedule keeps in flight over 1F1B's p (:func:`course_lib.parallel.schedules.peak_activations`):
+    ZB-H2 (2p-1)/p, ZB-V 1, DualPipeV (p+1/2)/p. The busiest stage's whole estimate is scaled, its embedding and
+    head terms too, as memory_formula does for the interleaved schedule."""
+    if schedule in ("zb-h2", "zb-v", "dualpipev"):
+        extra = (peak_activations(schedule, pp, m) / peak_activations("1f1b", pp, m) - 1) * memory["activations"]
+        memory["activations"] += extra
+        memory["total"] += extra
 
 
 def _throughput(
@@ -1087,6 +1115,11 @@ def check_layout(
             f"DP {dp}: make the global batch a multiple of DP x micro-batch = {dp * micro_batch}"
         )
     _check_schedule(model, pp, dp, m, schedule, chunks, micro_batch)
+    if pp > 1 and bubble_ratio(schedule, pp, m, chunks, schedule_costs(recompute)) is None:
+        raise ValueError(
+            f"{schedule_name(schedule, chunks)} has no closed-form bubble with {recompute} recompute (B = "
+            f"{schedule_costs(recompute).b:g} F): use recompute none or selective, or another schedule"
+        )
 
 
 def _check_degrees(model: Model, gpus: int, tp: int, pp: int, dp: int, cp: int, ep: int) -> None:
@@ -1119,6 +1152,8 @@ def _check_degrees(model: Model, gpus: int, tp: int, pp: int, dp: int, cp: int, 
 def _check_schedule(model: Model, pp: int, dp: int, m: int, schedule: str, chunks: int, micro_batch: int) -> None:
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if chunks > 1 and schedule in ("zb-v", "dualpipev"):
+        raise ValueError(f"{schedule_name(schedule)} fixes 2 chunks per rank in a V: leave chunks out")
     if chunks > 1 and schedule != "interleaved":
         raise ValueError(f"{chunks} chunks per rank need the interleaved schedule, not {schedule}")
     if pp == 1:
@@ -1129,6 +1164,17 @@ def _check_schedule(model: Model, pp: int, dp: int, m: int, schedule: str, chunk
         raise ValueError(
             f"{m} microbatches per DP rank are fewer than the {pp} pipeline stages: raise the global batch to at "
             f"least PP x DP x micro-batch = {pp * dp * micro_batch} sequences, or use fewer stages"
+        )
+    if schedule in ("zb-h2", "zb-v", "dualpipev") and schedule not in v_schedules(model.layers, pp, m):
+        need = 2 * pp if schedule == "dualpipev" else 2 * pp - 1
+        if m < need:
+            raise ValueError(
+                f"{schedule_name(schedule)} on PP {pp} needs at least {need} microbatches per DP rank, not {m}: make "
+                f"the global batch at least {need * dp * micro_batch} sequences"
+            )
+        raise ValueError(
+            f"{schedule_name(schedule)} cuts each stage's {math.ceil(model.layers / pp)} layers into a V's 2 chunks: "
+            "choose a PP that leaves an even number of layers per stage"
         )
     if schedule == "interleaved":
         stage = math.ceil(model.layers / pp)
@@ -1363,6 +1409,7 @@ def _pipeline_reason(p: Plan) -> str:
             for c in rest[:4]
         )
         text += "."
+    text += _beyond_search_reason(p)
     short = p.pp * math.ceil(p.model.layers / p.pp) - p.model.layers
     if short:
         text += (
@@ -1371,6 +1418,35 @@ def _pipeline_reason(p: Plan) -> str:
             f"{p.model.layers}/{p.pp} layers a stage and the embedding on the busiest, as the memory command does."
         )
     return text
+
+
+def beyond_search(p: Plan) -> list[Candidate]:
+    """The plan's layout evaluated with each schedule past ZB-H1 it can run (:func:`v_schedules`): their bubble,
+    activations and step time beside the choice; the search itself ranks only :func:`pipeline_schedules`."""
+    if p.pp == 1:
+        return []
+    args = (p.gpus, p.gpus_per_node, p.gpu_mem_bytes, get_profile(p.hardware), p.global_batch, p.micro_batch)
+    sizes = (p.tp, p.pp, p.dp, p.zero, p.microbatches, p.cp, p.ep)
+    return [
+        evaluate(p.model, Layout(*sizes, s, 1), *args, p.precision, p.recompute, p.attention, p.sp)
+        for s in v_schedules(p.model.layers, p.pp, p.microbatches)
+        if bubble_ratio(s, p.pp, p.microbatches, 1, schedule_costs(p.recompute)) is not None
+    ]
+
+
+def _beyond_search_reason(p: Plan) -> str:
+    others = beyond_search(p)
+    if not others:
+        return ""
+    return (
+        " Past ZB-H1, not ranked by the search: "
+        + ", ".join(
+            f"{schedule_name(c.schedule)} {c.step_time_s:.3g} s (bubble {c.bubble_fraction:.1%}, activations "
+            f"{c.memory['activations'] / 1e9:.3g} GB" + ("" if c.fits else ", does not fit") + ")"
+            for c in others
+        )
+        + "."
+    )
 
 
 def _schedule_sentence(p: Candidate) -> str:

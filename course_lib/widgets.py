@@ -86,8 +86,9 @@ def zero_memory_explorer(params: float = 7.5e9, dp: int = 64, precision: str = "
 def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int = 8) -> widgets.interactive:
     """Pick a schedule, the number of stages, microbatches and chunks, and the cost of F, B and W: the simulated
     timeline and its bubble are redrawn beside the paper's formula. Chunks are enabled for the interleaved schedule
-    only; W stays enabled for all, since a schedule that does not split the backward runs W inside B (B costs
-    B + W). ``result`` is the figure drawn, None if the sizes do not suit the schedule."""
+    only (zb-v and dualpipev fix 2 per rank, in a V); W stays enabled for all, since a schedule that does not split
+    the backward runs W inside B (B costs B + W). ``result`` is the figure drawn, None if the sizes do not suit the
+    schedule."""
     from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, formula_text, generate, simulate
 
     def draw(
@@ -106,7 +107,7 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
         plt.show()
         formula = bubble_formula(schedule, stages, microbatches, chunks, Costs(f, b, w))
         print(
-            f"bubble {sim.bubble_fraction:.4f}; the paper's {formula_text(formula)}; "
+            f"bubble {sim.bubble_fraction:.4f}; the paper's {formula_text(formula, schedule)}; "
             f"peak microbatches in flight per rank: {sim.peak_inflight}"
         )
         return fig
@@ -129,7 +130,8 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
             max=3,
             step=0.25,
             description="W cost",
-            tooltip="the weight-gradient pass: its own action in zb-h1, part of B in the other schedules",
+            tooltip="the weight-gradient pass: its own action in zb-h1, zb-h2, zb-v and dualpipev, part of B in "
+            "the other schedules",
             **slider,
         ),
     )

@@ -16,6 +16,7 @@ RUN_NUMBERS += ["--microbatches", "--chunks", "--gpus-per-node", "--tp", "--pp",
 NOT_POSITIVE = ["0", "-1", "nan", "inf", "1.5", "x", ""]
 MIXED = ["run", "dp", "--precision", "mixed"]
 
+PLAN_405B = ["--preset", "llama3-405b", "--gpus", "16384", "--tp", "8", "--pp", "16", "--dp", "128"]
 BAD = (
     # run: every whole-number flag refuses 0, negatives, NaN, infinity, fractions, words and nothing
     [
@@ -59,10 +60,19 @@ BAD = (
         (["run", "pp", "--schedule", "nope"], "unknown schedule 'nope'"),
         (["run", "pp", "--schedule", "interleaved", "--chunks", "2", "--microbatches", "6"], "multiple of 4"),
         (["run", "pp", "--chunks", "2"], "needs the interleaved schedule"),
+        (["run", "pp", "--schedule", "zb-v", "--chunks", "2"], "zb-v places 2 chunks per rank in a V by itself"),
+        (["run", "pp", "--schedule", "dualpipev", "--chunks", "2"], "leave out --chunks 2"),
+        (["run", "pp", "--schedule", "dualpipev", "--microbatches", "4"], "needs at least 2p = 8 microbatches on 4"),
+        (["run", "pp", "--schedule", "zb-v", "--layers", "4"], "8 pipeline stages (ranks x chunks) for 4 layers"),
         (["run", "pp", "--microbatches", "3"], "does not split into 3 equal microbatches"),
         (["run", "pp", "--layers", "2"], "4 pipeline stages (ranks x chunks) for 2 layers"),
         (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"], "--tp x --cp x --pp x --dp = 8"),
         (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "zb-h1"], "zb-h1 with tensor or context"),
+        (["run", "3d", "--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "zb-v"], "zb-v with tensor or context"),
+        (
+            ["run", "3d", "--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "dualpipev", "--microbatches", "2"],
+            "2p = 4",
+        ),
         (["run", "3d", "--tp", "2", "--cp", "3", "--pp", "1", "--dp", "1"], "length 32 is not a multiple of 6"),
         (["run", "3d", "--cp", "2", "--kv", "ring-all"], "invalid choice: 'ring-all'"),
         (["run", "3d", "--tp", "1", "--dp", "3"], "does not split over 3"),
@@ -133,7 +143,9 @@ BAD = (
         (["schedule", "--w", "-0.5"], "--w: must be a finite number of at least 0"),
         (["schedule", "--f", "nan"], "--f: must be a finite number"),
         (["schedule", "--w", "inf"], "--w: must be a finite number"),
-        (["schedule", "--schedule", "zb-v"], "invalid choice: 'zb-v'"),
+        (["schedule", "--schedule", "dualpipe"], "invalid choice: 'dualpipe'"),
+        (["schedule", "--schedule", "dualpipev", "--microbatches", "6"], "needs at least 2p = 8 microbatches"),
+        (["schedule", "--schedule", "zb-v", "--chunks", "2"], "zb-v places 2 chunks per rank in a V by itself"),
         (["schedule", "--stages", "1000", "--microbatches", "1000"], "the course's tables stop at 16,384"),
         (["schedule", "--schedule", "interleaved"], "at least 2 chunks"),
         (["schedule", "--schedule", "interleaved", "--chunks", "2", "--microbatches", "6"], "multiple of 4"),
@@ -193,6 +205,9 @@ BAD = (
         (["plan", "--gpus", "8", "--preset", "llama3-405b", "--params", "7e9"], "not both"),
         (["plan", "--gpus", "8", "--params", "1e15"], "plan: "),
         (["plan", "--gpus", "16384", "--params", "7e9"], "plan: no layout of 16384 GPUs"),
+        (["plan", *PLAN_405B, "--schedule", "zb-v"], "ZB-V on PP 16 needs at least 31 microbatches per DP rank"),
+        (["plan", *PLAN_405B, "--schedule", "dualpipev", "--chunks", "2"], "DualPipeV fixes 2 chunks per rank"),
+        (["plan", *PLAN_405B, "--global-batch", "4096", "--schedule", "zb-v", "--recompute", "full"], "no closed-form"),
         # hardware and the command itself
         (["hardware", "--json", "/nonexistent/h.json"], "does not exist"),
         (["hardware", "--bogus"], "unrecognized arguments: --bogus"),

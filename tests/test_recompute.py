@@ -20,6 +20,7 @@ CASES = [
     ("sp", 2, {"async_tp": True}),
     ("pp", 2, {"schedule": "1f1b"}),
     ("pp", 2, {"schedule": "zb-h1"}),
+    ("pp", 2, {"schedule": "zb-v"}),
     ("cp", 2, {}),
     ("3d", 4, {"tp": 2, "pp": 2, "dp": 1, "sp": True}),
 ]

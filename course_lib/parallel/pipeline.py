@@ -1,13 +1,16 @@
 """Pipeline parallelism on real ranks: the tiny GPT cut into stages, driven by a schedule table.
 
 The model's layers are split into v*p contiguous virtual stages (the embedding goes with the first, the final
-LayerNorm, the tied output head and the loss with the last); rank r holds stages r, r+p, ... (one per chunk).
-:func:`run_schedule` executes one rank's table from :mod:`course_lib.parallel.schedules`: it receives activations
-and gradients with blocking receives, sends with non-blocking sends, runs each F, B and W on its stage, and keeps
-each microbatch's activations exactly from its F to its last backward pass. The gradients of all microbatches add
-up; the first and last stages, which both hold the tied embedding, sum its gradient before the optimizer step
-(Narayanan et al. 2021, §3.1; Megatron-LM's embedding group). The loss of a microbatch is scaled by 1/m, so the
-step is the one-device step on the whole batch.
+LayerNorm, the tied output head and the loss with the last); which rank holds which is the schedule's placement
+(:func:`course_lib.parallel.schedules.virtual_stage`): stages r, r+p, ... (one per chunk) in a loop, stages r and
+2p-1-r in a V (ZB-V, DualPipeV). :func:`run_schedule` executes one rank's table from
+:mod:`course_lib.parallel.schedules`: it receives activations and gradients with blocking receives, sends with
+non-blocking sends, hands them over in memory between neighbouring stages of the same rank (the turn of a V), runs
+each F, B and W on its stage, and keeps each microbatch's activations exactly from its F to its last backward pass.
+The gradients of all microbatches add up; the first and last stages, which both hold the tied embedding, sum its
+gradient before the optimizer step (Narayanan et al. 2021, §3.1; Megatron-LM's embedding group), unless one rank
+holds both (a V), where both uses add up in the one parameter's ``.grad``. The loss of a microbatch is scaled by
+1/m, so the step is the one-device step on the whole batch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
-from course_lib.parallel.schedules import Action, bubble_formula, default_costs, generate, simulate
+from course_lib.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    bubble_formula,
+    chunks_per_rank,
+    default_costs,
+    embedding_ranks,
+    generate,
+    simulate,
+    virtual_stage,
+)
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import placement
 
@@ -50,7 +63,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, model: TinyGPT, stage: int, stages: int, layers: range) -> None:
         super().__init__()
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.index, self.first, self.last = stage, stage == 0, stage == stages - 1
         self.layers = layers
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
         if self.first or self.last:
@@ -126,11 +139,20 @@ def stage_params(stages: dict[int, PipelineStage]) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
 
 
-def build_stages(model: TinyGPT, rank: int, p: int, chunks: int) -> dict[int, PipelineStage]:
-    """Rank ``rank``'s stages by chunk, cut from ``model`` (the one-device model or its tensor-parallel version);
-    the model keeps only what its embedding and loss need, so the other ranks' layers are freed."""
-    ranges = split_layers(model.cfg.layers, p * chunks)
-    stages = {c: PipelineStage(model, c * p + rank, p * chunks, ranges[c * p + rank]) for c in range(chunks)}
+def cut_stages(model: TinyGPT, rank: int, p: int, chunks: int, schedule: str) -> dict[int, PipelineStage]:
+    """Rank ``rank``'s stages by chunk, cut from ``model``, each chunk the virtual stage the schedule places there
+    (:func:`course_lib.parallel.schedules.virtual_stage`); ``chunks`` as given for the schedule (a V has 2)."""
+    v = chunks_per_rank(schedule, chunks)
+    ranges = split_layers(model.cfg.layers, p * v)
+    where = {c: virtual_stage(schedule, rank, c, p) for c in range(v)}
+    return {c: PipelineStage(model, s, p * v, ranges[s]) for c, s in where.items()}
+
+
+def build_stages(model: TinyGPT, rank: int, p: int, chunks: int, schedule: str = "1f1b") -> dict[int, PipelineStage]:
+    """Rank ``rank``'s stages by chunk (:func:`cut_stages`), cut from ``model`` (the one-device model or its
+    tensor-parallel version); the model keeps only what its embedding and loss need, so the other ranks' layers
+    are freed."""
+    stages = cut_stages(model, rank, p, chunks, schedule)
     model.blocks = nn.ModuleList()
     return stages
 
@@ -149,11 +171,14 @@ def run_schedule(
     returns the losses of the microbatches it finished (last stage).
 
     ``peers`` maps the table's pipeline ranks to global ranks and ``group`` is the pipeline's process group
-    (default: the whole world is the pipeline)."""
+    (default: the whole world is the pipeline). Where the previous (next) stage is on this rank too, the table has
+    no transfer: an F takes that stage's output, detached, as its input, and a B takes the gradient of the next
+    stage's input as its output's."""
     device, m = launch.rank_device(), microbatches
     tokens, targets = (micro_batches(t, microbatches) for t in batch)
     split = any(a.kind == "W" for a in table)
     weights = {c: [p for p in s.parameters() if p.requires_grad] for c, s in stages.items()}
+    local = {s.index: c for c, s in stages.items()}  # this rank's virtual stages -> their chunks
     inputs, outputs, grads, losses, sends = {}, {}, {}, [], []
 
     def peer(a: Action) -> int:
@@ -167,18 +192,20 @@ def run_schedule(
                 comm.recv(buffer, peer(a), group)
                 inputs[key] = buffer.requires_grad_(True)
             elif a.kind == "F":
+                if stage.index - 1 in local and key not in inputs:  # the turn of a V: this rank's previous stage
+                    inputs[key] = outputs[(a.microbatch, local[stage.index - 1])].detach().requires_grad_(True)
                 with trace.span("forward"):
-                    x = tokens[a.microbatch].to(device) if stage.first else inputs[key]
-                    out = stage(x, targets[a.microbatch].to(device) if stage.last else None)
-                    outputs[key] = out / m if stage.last else out
+                    outputs[key] = _forward(stage, tokens[a.microbatch], targets[a.microbatch], inputs.get(key), m)
                 if stage.last:
-                    losses.append(out.item() / m)
+                    losses.append(outputs[key].item())
             elif a.kind == "SEND_F":
                 sends.append(comm.isend(outputs[key].detach(), peer(a), group))
             elif a.kind == "RECV_B":
                 grads[key] = torch.empty(activation_shape, dtype=dtype, device=device)
                 comm.recv(grads[key], peer(a), group)
             elif a.kind == "B":
+                if stage.index + 1 in local and key not in grads:  # the turn of a V: this rank's next stage
+                    grads[key] = inputs.pop((a.microbatch, local[stage.index + 1])).grad
                 with trace.span("backward"):
                     _backward(outputs[key], grads.get(key), inputs.get(key), split)
                 if not split:
@@ -192,6 +219,14 @@ def run_schedule(
     for handle in sends:
         handle.wait()
     return losses
+
+
+def _forward(stage: PipelineStage, tokens, targets, inp, m: int) -> torch.Tensor:
+    """F: the stage's output, or on the last stage its loss over ``m`` (a function, so that no local name keeps the
+    microbatch's graph, and with it what a recomputed segment keeps, alive after its W)."""
+    device = launch.rank_device()
+    out = stage(tokens.to(device) if stage.first else inp, targets.to(device) if stage.last else None)
+    return out / m if stage.last else out
 
 
 def _backward(out, grad, inp, split: bool) -> None:
@@ -261,9 +296,10 @@ def train_pipeline(
     """Rank function: the whole world is one pipeline; every step runs ``schedule`` over ``microbatches``."""
     rank, p = dist.get_rank(), dist.get_world_size()
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    stages = build_stages(model, rank, p, chunks)
+    stages = build_stages(model, rank, p, chunks, schedule)
     optimizer = make_optimizer(nn.ModuleList(stages.values()).parameters(), train)
-    tied = comm.new_group([0, p - 1], "embedding") if p > 1 else None
+    ends = embedding_ranks(schedule, p, chunks)
+    tied = comm.new_group(ends, "embedding") if len(ends) > 1 else None
     strategy = PipelineSync(stages, optimizer, tied, {"pp": rank})
     table = generate(schedule, p, microbatches, chunks)[rank]
     shape = (train.batch // microbatches, cfg.seq, cfg.d_model)
@@ -276,15 +312,15 @@ def train_pipeline(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-SCHEDULE = Option("schedule", "pipeline schedule: gpipe, 1f1b (default), interleaved or zb-h1", str)
+SCHEDULE = Option("schedule", f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b)", str)
 MICROBATCHES = Option("microbatches", "microbatches per step (default 4)", int)
-CHUNKS = Option("chunks", "model chunks per rank, for interleaved (default 1)", int)
+CHUNKS = Option("chunks", "model chunks per rank, for interleaved (default 1; zb-v and dualpipev fix 2)", int)
 
 
 def check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
     """The schedule exists for these sizes, every virtual stage gets a layer, the batch splits into microbatches."""
     validate_schedule(o["schedule"], stages, o["microbatches"], o["chunks"])
-    split_layers(cfg.layers, stages * o["chunks"])
+    split_layers(cfg.layers, stages * chunks_per_rank(o["schedule"], o["chunks"]))
     if batch % o["microbatches"]:
         raise ValueError(f"the batch of {batch} sequences does not split into {o['microbatches']} equal microbatches")
 
@@ -294,13 +330,13 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
 
 
 @functools.lru_cache(maxsize=8)
-def stage_layout(cfg: GPTConfig, train: TrainConfig, p: int, chunks: int) -> list[dict[int, PipelineStage]]:
-    """Every pipeline rank's stages, cut from a one-device model (for the predictions; no ranks needed)."""
+def stage_layout(
+    cfg: GPTConfig, train: TrainConfig, p: int, chunks: int, schedule: str = "1f1b"
+) -> list[dict[int, PipelineStage]]:
+    """Every pipeline rank's stages (:func:`cut_stages`), cut from a one-device model (for the predictions; no
+    ranks needed)."""
     model = TinyGPT(cfg, dtype=train.torch_dtype)
-    ranges = split_layers(cfg.layers, p * chunks)
-    return [
-        {c: PipelineStage(model, c * p + r, p * chunks, ranges[c * p + r]) for c in range(chunks)} for r in range(p)
-    ]
+    return [cut_stages(model, r, p, chunks, schedule) for r in range(p)]
 
 
 def reference_params(stages: dict[int, PipelineStage]) -> list[tuple[str, nn.Parameter]]:
@@ -318,7 +354,7 @@ def activation_peaks(
     ends = {"first": first_bytes, "last": acts["outside_layers"] - first_bytes}
     peaks = []
     tables = generate(o["schedule"], p, o["microbatches"], o["chunks"])
-    for table, stages in zip(tables, stage_layout(cfg, train, p, o["chunks"]), strict=True):
+    for table, stages in zip(tables, stage_layout(cfg, train, p, o["chunks"], o["schedule"]), strict=True):
         per_mb = {
             c: len(s.layers) * acts["per_layer"] + ends["first"] * s.first + ends["last"] * s.last
             for c, s in stages.items()
@@ -340,7 +376,8 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     of the activations its table keeps alive (:func:`activation_peaks`)."""
     peaks = activation_peaks(cfg, train, world_size, o, train.batch // o["microbatches"])
     rows = []
-    for stages, peak in zip(stage_layout(cfg, train, world_size, o["chunks"]), peaks, strict=True):
+    layout = stage_layout(cfg, train, world_size, o["chunks"], o["schedule"])
+    for stages, peak in zip(layout, peaks, strict=True):
         held = reference_params(stages)
         trainable = [q for _, q in held if q.requires_grad]
         frozen = sum(q.numel() for _, q in held if not q.requires_grad)
@@ -352,14 +389,15 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Each rank sends one activation (F) or gradient (B) of (b/m) x s x h elements per send in its table, and the
-    first and last ranks all-reduce the tied embedding's gradient (V x h elements)."""
+    ranks of the first and the last stage, if two, all-reduce the tied embedding's gradient (V x h elements)."""
     p, e, m = world_size, train.torch_dtype.itemsize, o["microbatches"]
     message = e * (train.batch // m) * cfg.seq * cfg.d_model
+    ends = embedding_ranks(o["schedule"], p, o["chunks"])
     rows = []
     for r, table in enumerate(generate(o["schedule"], p, m, o["chunks"])):
         sends = sum(a.kind.startswith("SEND") for a in table)
         row = {"send": float(sends * message), "recv": 0.0} if sends else {}
-        if p > 1 and r in (0, p - 1):
+        if len(ends) > 1 and r in ends:
             row["all_reduce"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model
         rows.append(row)
     return rows
@@ -394,7 +432,7 @@ SCHEMES = (
         (SCHEDULE, MICROBATCHES, CHUNKS),
         axes=("pp",),
         describe=describe,
-        layers_needed=lambda world_size, o: world_size * o["chunks"],
+        layers_needed=lambda world_size, o: world_size * chunks_per_rank(o["schedule"], o["chunks"]),
         checkpoint=True,
     ),
 )

@@ -44,8 +44,10 @@ and balances over the whole batch:
 
 Not built, and refused by ``validate``: experts with tp or cp > 1 (no expert tensor parallelism; CP's token chunks
 are not a block of the batch in token order), with ZeRO-1 (the experts' states would shard over edp), and with
-zb-h1 (its W pass would repeat the all-to-alls). ``routed_comm`` predicts the ``ep`` axis's all-to-all bytes from
-the counts each rank reports per step, microbatch and layer.
+a schedule that splits off W (zb-h1, zb-h2, zb-v, dualpipev: its W pass would repeat the all-to-alls, and with TP
+or CP every collective of the stage). ``routed_comm`` predicts the ``ep`` axis's all-to-all bytes from the counts
+each rank reports per step, microbatch and layer. The pipeline's placement is the schedule's: in a V (zb-v,
+dualpipev) rank 0 holds the first and the last stage, so there is no embedding group.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ from course_lib.parallel.pipeline import (
     schedule_runner,
     stage_layout,
 )
-from course_lib.parallel.schedules import generate
+from course_lib.parallel.schedules import SPLIT_BACKWARD, chunks_per_rank, embedding_ranks, generate
 from course_lib.parallel.tensor import (
     TensorParallelGPT,
     check_tensor_parallel,
@@ -167,11 +169,13 @@ class GridSync(PipelineSync):
             self.routing.end_step()
 
 
-def tied_embedding_group(mesh: Mesh) -> comm.Group:
-    """This rank's 2-rank group of its pipeline's first and last stage (every rank creates every such group)."""
+def tied_embedding_group(mesh: Mesh, schedule: str, chunks: int) -> comm.Group:
+    """This rank's 2-rank group of the ranks of its pipeline's first and last stage (every rank creates every such
+    group); None where one rank holds both (one stage, or a V-shaped schedule)."""
     tied = None
+    ends = embedding_ranks(schedule, mesh.sizes["pp"], chunks)
     for pipeline in axis_groups("pp", mesh.sizes):
-        group = comm.new_group([pipeline[0], pipeline[-1]], "embedding") if mesh.sizes["pp"] > 1 else None
+        group = comm.new_group([pipeline[r] for r in ends], "embedding") if len(ends) > 1 else None
         if pipeline == mesh.members["pp"]:
             tied = group
     return tied
@@ -207,10 +211,10 @@ def train_3d(
     ranks; see the module docstring. With experts, ``routings`` reports per step the counts of every routing (each
     microbatch's, each MoE layer's of this rank's stages, as they ran): (ranks of the counts' group, experts)."""
     mesh = build_mesh(dp=dp, pp=pp, cp=cp, tp=tp)
-    tied = tied_embedding_group(mesh)
+    tied = tied_embedding_group(mesh, schedule, chunks)
     grads, *_ = joint_group(mesh, GRAD_AXES)
     model = grid_model(cfg, train, mesh, sp, kv)
-    stages = build_stages(model.to(launch.rank_device()), mesh.coords["pp"], pp, chunks)
+    stages = build_stages(model.to(launch.rank_device()), mesh.coords["pp"], pp, chunks, schedule)
     if cfg.experts:
         fold_experts(mesh, ep)
         counted = mesh.groups[counts_axis(microbatches)]
@@ -246,7 +250,7 @@ def train_3d(
         for s in stages.values()
         for name, p in s.reference_names().items()
     }
-    last = report["losses"] if mesh.coords["pp"] == pp - 1 else None
+    last = report["losses"] if any(s.last for s in stages.values()) else None
     return {**report, "losses": last, "params": params} | ({"routings": strategy.routing.steps} if cfg.experts else {})
 
 
@@ -295,10 +299,10 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
         raise ValueError(f"a 3D run shards optimizer state with ZeRO-1 at most (zero 0 or 1), not {o['zero']}")
     if train.batch % o["dp"]:
         raise ValueError(f"the batch of {train.batch} sequences does not split over {o['dp']} data-parallel replicas")
-    if o["schedule"] == "zb-h1" and (o["tp"] > 1 or o["cp"] > 1):
+    if o["schedule"] in SPLIT_BACKWARD and (o["tp"] > 1 or o["cp"] > 1):
         raise ValueError(
-            "zb-h1 with tensor or context parallelism: the course's W pass is a second backward over the retained "
-            "graph, which would repeat every TP collective and ring step of the stage; use gpipe, 1f1b or "
+            f"{o['schedule']} with tensor or context parallelism: the course's W pass is a second backward over the "
+            "retained graph, which would repeat every TP collective and ring step of the stage; use gpipe, 1f1b or "
             "interleaved, or tp 1 and cp 1"
         )
     check_pipeline(cfg, train.batch // o["dp"], o["pp"], o)
@@ -337,10 +341,10 @@ def check_experts(cfg: GPTConfig, o: dict) -> None:
             "ZeRO-1 with experts: the experts' optimizer states would shard over the expert-data-parallel group, "
             "which the course does not build; use zero 0"
         )
-    if o["schedule"] == "zb-h1":
+    if o["schedule"] in SPLIT_BACKWARD:
         raise ValueError(
-            "zb-h1 with experts: the course's W pass is a second backward over the retained graph, which would "
-            "repeat the MoE layers' all-to-alls; use gpipe, 1f1b or interleaved"
+            f"{o['schedule']} with experts: the course's W pass is a second backward over the retained graph, which "
+            "would repeat the MoE layers' all-to-alls; use gpipe, 1f1b or interleaved"
         )
     if m > 1 and (cfg.capacity_factor is not None or cfg.aux_loss_coef):
         raise ValueError(
@@ -351,9 +355,10 @@ def check_experts(cfg: GPTConfig, o: dict) -> None:
             "dropless model without balance loss (capacity_factor None and aux_loss_coef 0: --aux-loss-coef 0, "
             "no --capacity-factor), or microbatches 1"
         )
-    if cfg.aux_loss_coef and o["pp"] * o["chunks"] > 1:
+    stages = o["pp"] * chunks_per_rank(o["schedule"], o["chunks"])
+    if cfg.aux_loss_coef and stages > 1:
         raise ValueError(
-            f"a balance loss (aux_loss_coef={cfg.aux_loss_coef}) in a pipeline of {o['pp'] * o['chunks']} stages: "
+            f"a balance loss (aux_loss_coef={cfg.aux_loss_coef}) in a pipeline of {stages} stages: "
             "each stage's MoE layers would add a second loss to a backward that carries only the last stage's; "
             "use aux_loss_coef 0 (--aux-loss-coef 0), or pp 1 and chunks 1"
         )
@@ -406,7 +411,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     sizes = grid_sizes(world_size, o)
     e, t, n = train.torch_dtype.itemsize, o["tp"], o["dp"] * o["cp"]
     micro = train.batch // (o["dp"] * o["microbatches"])
-    layout = stage_layout(cfg, train, o["pp"], o["chunks"])
+    layout = stage_layout(cfg, train, o["pp"], o["chunks"], o["schedule"])
     exact = o["cp"] == 1 and not cfg.experts
     peaks = activation_peaks(cfg, train, o["pp"], o, micro, tp=t, sp=o["sp"]) if exact else [None] * len(layout)
     rows = []
@@ -446,8 +451,9 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     c, t, p, n = coords_of(rank, sizes), o["tp"], o["pp"], o["dp"] * o["cp"]
     e, m = train.torch_dtype.itemsize, o["microbatches"]
     micro = train.batch // (o["dp"] * m)
-    stages = stage_layout(cfg, train, p, o["chunks"])[c["pp"]]
+    stages = stage_layout(cfg, train, p, o["chunks"], o["schedule"])[c["pp"]]
     first, last = any(s.first for s in stages.values()), any(s.last for s in stages.values())
+    tied = len(embedding_ranks(o["schedule"], p, o["chunks"])) > 1
     layers = sorted(i for s in stages.values() for i in s.layers)
     local = dataclasses.replace(cfg, seq=cfg.seq // o["cp"])  # a rank's tokens of each sequence
     step = collectives_per_step(local, micro, e, o["sp"], layers, first, last)
@@ -460,7 +466,7 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     if p > 1:
         tokens = _tokens_per_rank(cfg, t, o["cp"], o["sp"])
         out["pp"] = float(sum(a.kind.startswith("SEND") for a in table) * e * micro * tokens * cfg.d_model)
-    if p > 1 and (first or last):
+    if tied and (first or last):
         out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
     ep, j = o["ep"], c["dp"] % o["ep"]
     shapes = _trainable_shards(stages, t, ep, j, experts=False if cfg.experts else None)
@@ -518,7 +524,7 @@ SCHEMES = (
         (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP),
         axes=("tp", "cp", "pp", "dp"),
         describe=describe,
-        layers_needed=lambda world_size, o: o["pp"] * o["chunks"],
+        layers_needed=lambda world_size, o: o["pp"] * chunks_per_rank(o["schedule"], o["chunks"]),
         moe=True,
         # An MoE in a pipeline of microbatches trains without the balance loss (see check_experts).
         model_settings={"aux_loss_coef": 0.0},

@@ -55,6 +55,10 @@ from course_lib.forkserver import RANK_NAME, context, torchrun_restart, under_to
 
 STATUS_TEXT_BYTES = 200
 POLL_S = 0.25  # how often the launcher looks at the ranks' status for a stall
+# A stall is reported once it has lasted this long, as the launcher sees it, with no rank making progress: the
+# virtual machine this course's CI runs in can be paused, and the monotonic clock then jumps past the stall timeout
+# of a rank that was merely waiting (an 8-rank launch that had made every step was reported stalled for 20 s).
+STALL_CONFIRM_S = 1.0
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler), when it holds a run up
 STACK_LINES = 8  # innermost frames per thread shown
 _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
@@ -416,9 +420,10 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
 
 def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status, store_path: str) -> None:
     """Read every rank's messages until all have reported; raise RankError on the first failure, on a stall (a rank
-    blocked in a collective for ``stall_timeout`` that another rank has not reached; the message ends with where the
-    ranks holding it up were, their Python stacks) and at the deadline."""
-    pending = set(range(len(ranks)))
+    blocked in a collective for ``stall_timeout`` that another rank has not reached, seen for ``STALL_CONFIRM_S``
+    without progress; the message ends with where the ranks holding it up were, their Python stacks) and at the
+    deadline."""
+    pending, suspected = set(range(len(ranks))), None  # suspected: (when a stall was first seen, the progress then)
     while pending:
         waitables = {ranks[r].conn: r for r in pending} | {ranks[r].process.sentinel: r for r in pending}
         left = deadline - time.perf_counter()
@@ -439,8 +444,16 @@ def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status, 
                 _drain(ranks[r])
             raise _failure(ranks, status)
         stall = _stall_message(ranks, pending, limits.stall_timeout, status)
-        if stall:
+        progress = _progress(status)
+        if not stall or suspected is None or suspected[1] != progress:
+            suspected = (time.monotonic(), progress) if stall else None
+        elif time.monotonic() - suspected[0] >= STALL_CONFIRM_S:
             raise RankError(stall + _stacks(ranks, _laggards(ranks, pending, status), store_path))
+
+
+def _progress(status) -> tuple:
+    """What every rank is doing, as far as a stall is concerned: its status text and collective number."""
+    return tuple((s.text, s.number) for s in status)
 
 
 def _drain(state: _RankState) -> bool:

@@ -127,6 +127,24 @@ def test_a_stopped_rank_is_named_as_stopped(pid_dir):
     assert not any(process_alive(pid) for pid in read_pids(pid_dir)), "a stopped rank must be reaped too"
 
 
+def rank_zero_dawdles():
+    """Rank 0 reaches the second all-reduce half a second after the others."""
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+    comm.all_reduce(t)
+    return t.sum().item()
+
+
+def test_a_clock_that_jumps_past_the_stall_timeout_is_no_stall(monkeypatch):
+    """A paused virtual machine's monotonic clock jumps on: every wait then looks older than the stall timeout. A
+    stall is reported only once the launcher has seen it last, without progress, for STALL_CONFIRM_S."""
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 30.0)  # the launcher's clock, 30 s ahead of the ranks'
+    assert list(launch.run(rank_zero_dawdles, 4, stall_timeout=20)) == [32.0] * 4
+
+
 def launches_from_threads(threads: int, each: int) -> list:
     errors = []
 

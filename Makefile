@@ -25,9 +25,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check course_lib tests benchmarks
 
+# One pytest run: the library's tests, then every lesson under nbval (each cell must run without error).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider notebooks
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider tests notebooks
 
 clean:
 	rm -rf $(VENV) demo_out out .pytest_cache

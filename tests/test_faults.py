@@ -20,7 +20,7 @@ from course_lib.forkserver import warm
 from course_lib.models import TrainConfig
 from course_lib.schemes import run_scheme
 
-STALL_S = 3.0
+STALL_S = 2.0
 TRAIN = TrainConfig(steps=3)
 
 # What the caller reads when rank 1 fails at the start of step 2, by kind.

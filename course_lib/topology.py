@@ -1,0 +1,386 @@
+"""Network topologies as data: which links join which endpoints, at what rate and latency, and the route a message
+between two GPUs takes over them.
+
+A topology is a directed graph: GPUs are the integers 0..n-1, switches are named tuples; every cable is two
+:class:`Link` s, one per direction, each with its own bandwidth (bytes/s) and latency (seconds). Two shapes:
+
+* :class:`FatTree`: NVLink domains (a DGX node of 8 GPUs, or a GB200 NVL72 rack of 72) on one NVLink switch each,
+  every GPU with its own NIC to a leaf switch, leaves joined through a spine with ``oversubscription``:1 less
+  bandwidth going up than coming in (Leiserson 1985, "Fat-trees: universal networks for hardware-efficient
+  supercomputing"; the spine layer is drawn as one non-blocking switch, each leaf's uplinks as one link of their
+  total rate). Rail-optimized: GPU i of every node shares leaf i ("rail" i), as in NVIDIA's DGX SuperPOD; a
+  message between different rails of different nodes goes up through the spine (NCCL's PXN, which first moves it
+  over NVLink to the GPU on the destination's rail, is not modeled).
+  Today's two-level node/network of :mod:`course_lib.hardware` is a fat-tree with one leaf (:func:`two_level`).
+* :class:`Torus`: chips on a 2D/3D grid with wrap-around links to their neighbours, routed dimension by dimension,
+  the shorter way around each ring (ties: the positive way), as TPU pods are (Jouppi et al. 2023, "TPU v4: An
+  Optically Reconfigurable Supercomputer for Machine Learning", ISCA; Google Cloud TPU v4 and v5p docs).
+
+Every profile (:data:`PROFILES`) carries its figures and, for each, where it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+from course_lib.hardware import PROFILES as HARDWARE
+from course_lib.hardware import HardwareProfile
+
+Endpoint = int | tuple  # a GPU's index, or a switch's name
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a cable: the bytes/s it carries and the seconds a message spends crossing it."""
+
+    src: Endpoint
+    dst: Endpoint
+    bandwidth: float
+    latency: float
+
+
+@dataclass(kw_only=True)
+class Topology:
+    """GPUs 0..n_gpus-1 and switches joined by directed links; subclasses build ``links`` and say how to route."""
+
+    name: str
+    figures: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    n_gpus: int = field(default=0, init=False)
+    links: dict[tuple[Endpoint, Endpoint], Link] = field(default_factory=dict, init=False, repr=False)
+
+    def _add(self, a: Endpoint, b: Endpoint, bandwidth: float, latency: float) -> None:
+        """A cable between ``a`` and ``b``: one link each way."""
+        self.links[(a, b)] = Link(a, b, bandwidth, latency)
+        self.links[(b, a)] = Link(b, a, bandwidth, latency)
+
+    def hops(self, a: int, b: int) -> list[tuple[Endpoint, Endpoint]]:
+        """The endpoints a message from GPU ``a`` to GPU ``b`` crosses, as (from, to) pairs."""
+        raise NotImplementedError
+
+    def route(self, a: int, b: int) -> list[Link]:
+        """The links a message from GPU ``a`` to GPU ``b`` crosses, in order."""
+        self.check_group([a, b])
+        return [self.links[hop] for hop in self.hops(a, b)]
+
+    def path(self, a: int, b: int) -> tuple[float, float]:
+        """(bandwidth of the slowest link, summed latency) of the route from ``a`` to ``b``, alone on the network."""
+        links = self.route(a, b)
+        return min((lk.bandwidth for lk in links), default=float("inf")), sum(lk.latency for lk in links)
+
+    def check_group(self, group: Sequence[int]) -> list[int]:
+        """The group as a list, or a one-line ValueError if a rank is outside the topology or repeated."""
+        ranks = list(group)
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.n_gpus)]
+        if bad:
+            raise ValueError(
+                f"ranks {bad} do not fit {self.name}, which has GPUs 0..{self.n_gpus - 1}; "
+                "use a smaller group or a bigger topology"
+            )
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"a group lists a rank twice: {ranks}; list each GPU once")
+        return ranks
+
+
+@dataclass(kw_only=True)
+class FatTree(Topology):
+    """NVLink domains under leaf switches under a spine (module docstring); bandwidths per GPU and direction."""
+
+    domains: int
+    gpus_per_domain: int
+    nvlink_bandwidth: float
+    nvlink_latency: float  # GPU <-> NVLink switch; a GPU-to-GPU path in a domain crosses two
+    nic_bandwidth: float
+    nic_latency: float  # GPU <-> leaf
+    spine_latency: float  # leaf <-> spine
+    domains_per_leaf: int  # whose NICs share a leaf (per rail when rail_optimized)
+    oversubscription: float = 1.0
+    rail_optimized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.domains < 1 or self.gpus_per_domain < 1 or self.domains_per_leaf < 1:
+            raise ValueError(f"{self.name}: domains, GPUs per domain and domains per leaf must be at least 1")
+        if self.domains % self.domains_per_leaf:
+            raise ValueError(
+                f"{self.name}: {self.domains} domains do not fill leaves of {self.domains_per_leaf}; "
+                "use a multiple of domains_per_leaf"
+            )
+        if self.oversubscription < 1:
+            raise ValueError(f"{self.name}: oversubscription must be at least 1 (1 = full bisection)")
+        self.n_gpus = self.domains * self.gpus_per_domain
+        for g in range(self.n_gpus):
+            self._add(g, ("nvswitch", self.domain(g)), self.nvlink_bandwidth, self.nvlink_latency)
+            self._add(g, self.leaf(g), self.nic_bandwidth, self.nic_latency)
+        for leaf in {self.leaf(g) for g in range(self.n_gpus)}:
+            self._add(leaf, ("spine",), self.uplink_bandwidth, self.spine_latency)
+
+    @property
+    def hosts_per_leaf(self) -> int:
+        """NICs under one leaf: one per node on a rail, or every GPU of its nodes."""
+        return self.domains_per_leaf * (1 if self.rail_optimized else self.gpus_per_domain)
+
+    @property
+    def uplink_bandwidth(self) -> float:
+        """A leaf's bandwidth to the spine, each way: its hosts' NICs together over the oversubscription."""
+        return self.hosts_per_leaf * self.nic_bandwidth / self.oversubscription
+
+    def domain(self, gpu: int) -> int:
+        return gpu // self.gpus_per_domain
+
+    def leaf(self, gpu: int) -> tuple:
+        rail = gpu % self.gpus_per_domain if self.rail_optimized else 0
+        return ("leaf", rail, self.domain(gpu) // self.domains_per_leaf)
+
+    def hops(self, a: int, b: int) -> list[tuple[Endpoint, Endpoint]]:
+        if a == b:
+            return []
+        if self.domain(a) == self.domain(b):
+            switch = ("nvswitch", self.domain(a))
+            return [(a, switch), (switch, b)]
+        if self.leaf(a) == self.leaf(b):
+            return [(a, self.leaf(a)), (self.leaf(a), b)]
+        return [(a, self.leaf(a)), (self.leaf(a), ("spine",)), (("spine",), self.leaf(b)), (self.leaf(b), b)]
+
+
+@dataclass(kw_only=True)
+class Torus(Topology):
+    """Chips on a grid of ``shape`` with wrap-around links to their neighbours (a ring of two has one cable)."""
+
+    shape: tuple[int, ...]
+    n_gpus: int  # must be the shape's product
+    link_bandwidth: float  # per link and direction
+    hop_latency: float
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(k < 1 for k in self.shape):
+            raise ValueError(f"{self.name}: a torus shape is a tuple of sizes of at least 1, not {self.shape}")
+        if prod(self.shape) != self.n_gpus:
+            raise ValueError(
+                f"{self.name}: a {'x'.join(map(str, self.shape))} torus has {prod(self.shape)} chips, not "
+                f"{self.n_gpus}; make the shape's product the GPU count"
+            )
+        for g in range(self.n_gpus):
+            for axis, k in enumerate(self.shape):
+                if k > 1:
+                    self._add(g, self.neighbour(g, axis, 1), self.link_bandwidth, self.hop_latency)
+
+    def coords(self, gpu: int) -> tuple[int, ...]:
+        """Row-major coordinates (the last axis varies fastest)."""
+        out = []
+        for k in reversed(self.shape):
+            gpu, c = divmod(gpu, k)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def gpu(self, coords: Sequence[int]) -> int:
+        index = 0
+        for c, k in zip(coords, self.shape, strict=True):
+            index = index * k + c % k
+        return index
+
+    def neighbour(self, gpu: int, axis: int, step: int) -> int:
+        c = list(self.coords(gpu))
+        c[axis] += step
+        return self.gpu(c)
+
+    def hops(self, a: int, b: int) -> list[tuple[Endpoint, Endpoint]]:
+        """Dimension-order routing: axis 0 first; on each ring the shorter way, the positive way on a tie."""
+        out, here = [], a
+        for axis, k in enumerate(self.shape):
+            ahead = (self.coords(b)[axis] - self.coords(here)[axis]) % k
+            step, count = (1, ahead) if ahead <= k // 2 else (-1, k - ahead)
+            for _ in range(count):
+                nxt = self.neighbour(here, axis, step)
+                out.append((here, nxt))
+                here = nxt
+        return out
+
+    def axes(self, group: Sequence[int]) -> tuple[int, ...]:
+        """The axes a group spans whole (a sub-torus: full rings on those axes, the others fixed), or ValueError."""
+        ranks = self.check_group(group)
+        coords = [self.coords(r) for r in ranks]
+        free = tuple(ax for ax in range(len(self.shape)) if len({c[ax] for c in coords}) > 1)
+        if len(ranks) != prod(self.shape[ax] for ax in free) or any(
+            len({c[ax] for c in coords}) != self.shape[ax] for ax in free
+        ):
+            raise ValueError(
+                f"group {ranks[:8]}{'...' if len(ranks) > 8 else ''} is not a sub-torus of {self.name}: "
+                "take whole rings along some axes and fix the others"
+            )
+        return free
+
+
+def two_level(profile: HardwareProfile, nodes: int) -> FatTree:
+    """Today's modeled clock as a topology: nodes of ``profile.gpus_per_node`` on NVLink under one switch, paths
+    with the profile's latencies (half on each of a path's two links)."""
+    figures = {
+        "gpus_per_domain": profile.gpus_per_node,
+        "nvlink_bandwidth": profile.intra_bandwidth,
+        "nvlink_latency": profile.intra_latency_s / 2,
+        "nic_bandwidth": profile.inter_bandwidth,
+        "nic_latency": profile.inter_latency_s / 2,
+    }
+    source = f"course_lib.hardware.PROFILES[{profile.name!r}]: " + "; ".join(profile.sources)
+    return FatTree(
+        name=f"{profile.name} x{nodes} (two-level)",
+        domains=nodes,
+        spine_latency=0.0,
+        domains_per_leaf=nodes,
+        figures=figures,
+        sources=dict.fromkeys(figures, source),
+        **figures,
+    )
+
+
+def h100_two_level(nodes: int = 2) -> FatTree:
+    """The ``h100`` hardware profile's nodes, as the modeled clock sees them today."""
+    return two_level(HARDWARE["h100"], nodes)
+
+
+_LATENCY_NOTE = (
+    "assumed, not a published per-link figure: of the order of NCCL-tests small-message times, as the hardware "
+    "profiles' latencies"
+)
+
+
+def h100_superpod(nodes: int = 4) -> FatTree:
+    """DGX H100 nodes on a rail-optimized, non-blocking InfiniBand NDR fat-tree, as in a DGX SuperPOD."""
+    per_leaf = min(nodes, 32)
+    figures = {
+        "gpus_per_domain": 8,
+        "nvlink_bandwidth": 450e9,
+        "nic_bandwidth": 50e9,
+        "domains_per_leaf": per_leaf,  # a leaf per rail per scalable unit
+        "oversubscription": 1.0,
+        "nvlink_latency": 1e-6,
+        "nic_latency": 2.5e-6,
+        "spine_latency": 0.5e-6,
+    }
+    sources = {
+        "gpus_per_domain": "NVIDIA DGX H100 user guide: 8x H100 SXM5 per system on NVLink 4 / NVSwitch",
+        "nvlink_bandwidth": "NVIDIA H100 Tensor Core GPU datasheet: NVLink 900 GB/s per GPU, both directions "
+        "together, i.e. 450 GB/s each way",
+        "nic_bandwidth": "NVIDIA DGX H100 user guide: 8x ConnectX-7 400 Gb/s NDR InfiniBand for the compute "
+        "fabric, one per GPU (50 GB/s each way)",
+        "domains_per_leaf": "NVIDIA DGX SuperPOD (H100) reference architecture: scalable units of 32 DGX H100, one "
+        "leaf per rail (GPU index) per unit, rail-optimized (NVIDIA docs, 'rail-optimized network topology'); "
+        "the 32 could not be checked against a stored copy of the reference architecture",
+        "oversubscription": "NVIDIA HGX/DGX reference architectures: the compute fabric is a 'full non-blocking "
+        "fat tree' (docs.nvidia.com/enterprise-reference-architectures, Networking Physical Topologies)",
+        "nvlink_latency": _LATENCY_NOTE,
+        "nic_latency": _LATENCY_NOTE,
+        "spine_latency": _LATENCY_NOTE,
+    }
+    return FatTree(
+        name=f"h100-superpod x{nodes}",
+        domains=nodes,
+        rail_optimized=True,
+        figures=figures,
+        sources=sources,
+        **figures,
+    )
+
+
+def gb200_nvl72(racks: int = 2) -> FatTree:
+    """GB200 NVL72 racks: 72 GPUs in one NVLink 5 domain each, one 400 Gb/s InfiniBand NIC per GPU between racks."""
+    figures = {
+        "gpus_per_domain": 72,
+        "nvlink_bandwidth": 900e9,
+        "nic_bandwidth": 50e9,
+        "domains_per_leaf": racks,
+        "oversubscription": 1.0,
+        "nvlink_latency": 1e-6,
+        "nic_latency": 2.5e-6,
+        "spine_latency": 0.5e-6,
+    }
+    sources = {
+        "gpus_per_domain": "NVIDIA GB200 NVL72 product page: 36 Grace CPUs and 72 Blackwell GPUs in one NVLink "
+        "domain per rack",
+        "nvlink_bandwidth": "NVIDIA GB200 NVL72 product page: fifth-generation NVLink, 1.8 TB/s GPU-to-GPU per GPU "
+        "(both directions together; 130 TB/s per rack = 72 x 1.8), i.e. 900 GB/s each way",
+        "nic_bandwidth": "MLCommons inference v6.1 results, Crusoe GB200-NVL72 system description: 4x ConnectX-7 "
+        "per 4-GPU tray, i.e. one 400 Gb/s NIC per GPU (800 Gb/s ConnectX-8 comes with GB300)",
+        "domains_per_leaf": "assumed: rail-optimized as NVIDIA's reference architectures, GPU i of every rack "
+        "modeled on rail leaf i (a real leaf's port count caps how many racks share it)",
+        "oversubscription": "assumed non-blocking, as NVIDIA's reference architectures build the compute fabric",
+        "nvlink_latency": _LATENCY_NOTE,
+        "nic_latency": _LATENCY_NOTE,
+        "spine_latency": _LATENCY_NOTE,
+    }
+    return FatTree(
+        name=f"gb200-nvl72 x{racks}",
+        domains=racks,
+        rail_optimized=True,
+        figures=figures,
+        sources=sources,
+        **figures,
+    )
+
+
+def ethernet_2to1(nodes: int = 4) -> FatTree:
+    """8-GPU NVLink nodes, one 400 GbE RoCE NIC per GPU, two nodes per top-of-rack switch, 2:1 oversubscribed above."""
+    figures = {
+        "gpus_per_domain": 8,
+        "nvlink_bandwidth": 450e9,
+        "nic_bandwidth": 50e9,
+        "domains_per_leaf": 2,
+        "oversubscription": 2.0,
+        "nvlink_latency": 1e-6,
+        "nic_latency": 4e-6,
+        "spine_latency": 1e-6,
+    }
+    sources = {
+        "gpus_per_domain": "HGX H100 8-GPU board (NVIDIA H100 datasheet)",
+        "nvlink_bandwidth": "NVIDIA H100 Tensor Core GPU datasheet: NVLink 900 GB/s both directions together",
+        "nic_bandwidth": "NVIDIA HGX AI factory reference architecture: one 400 Gb/s BlueField-3 SuperNIC per GPU",
+        "domains_per_leaf": "assumed, an illustrative build: 16 GPU ports down per top-of-rack switch",
+        "oversubscription": "assumed, an illustrative build: 2:1, a common way to save spine switches; no single "
+        "published cluster",
+        "nvlink_latency": _LATENCY_NOTE,
+        "nic_latency": _LATENCY_NOTE + " (RoCE a little slower than InfiniBand: assumed)",
+        "spine_latency": _LATENCY_NOTE,
+    }
+    return FatTree(
+        name=f"ethernet-2to1 x{nodes}",
+        domains=nodes,
+        figures=figures,
+        sources=sources,
+        **figures,
+    )
+
+
+def tpu_v5p(shape: tuple[int, ...] = (4, 4, 4)) -> Torus:
+    """A TPU v5p slice: a 3D torus of chips (one 4x4x4 cube by default), six ICI links per chip."""
+    figures = {"link_bandwidth": 100e9, "hop_latency": 1e-6}
+    sources = {
+        "link_bandwidth": "Google Cloud TPU v5p docs: bidirectional ICI bandwidth 1200 GB/s per chip, 3D torus "
+        "(all 4x4x4 and larger slices are full tori); spread over a chip's six links, 200 GB/s per link both ways "
+        "together, 100 GB/s each way (the split is ours: the docs give the per-chip total)",
+        "hop_latency": "assumed, not published: about a microsecond per ICI hop",
+    }
+    return Torus(
+        name=f"tpu-v5p {'x'.join(map(str, shape))}",
+        shape=tuple(shape),
+        n_gpus=prod(shape),
+        figures=figures,
+        sources=sources,
+        **figures,
+    )
+
+
+PROFILES: dict[str, Callable[..., Topology]] = {
+    "h100-superpod": h100_superpod,
+    "gb200-nvl72": gb200_nvl72,
+    "tpu-v5p": tpu_v5p,
+    "ethernet-2to1": ethernet_2to1,
+    "h100-two-level": h100_two_level,
+}
+
+
+def get_topology(name: str, **size) -> Topology:
+    """A profile by name, sized by its builder's keyword (``nodes``, ``racks`` or ``shape``)."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown topology {name!r}; choose one of {sorted(PROFILES)}")
+    return PROFILES[name](**size)

@@ -239,6 +239,13 @@ def h100_two_level(nodes: int = 2) -> FatTree:
     return two_level(HARDWARE["h100"], nodes)
 
 
+def _profile(name: str, domains: int, figures: dict, sources: dict, rail_optimized: bool = False) -> FatTree:
+    """A fat-tree profile: its ``figures`` (the FatTree's sizes and rates) and a source for each."""
+    return FatTree(
+        name=name, domains=domains, rail_optimized=rail_optimized, figures=figures, sources=sources, **figures
+    )
+
+
 _LATENCY_NOTE = (
     "assumed, not a published per-link figure: of the order of NCCL-tests small-message times, as the hardware "
     "profiles' latencies"
@@ -273,14 +280,7 @@ def h100_superpod(nodes: int = 4) -> FatTree:
         "nic_latency": _LATENCY_NOTE,
         "spine_latency": _LATENCY_NOTE,
     }
-    return FatTree(
-        name=f"h100-superpod x{nodes}",
-        domains=nodes,
-        rail_optimized=True,
-        figures=figures,
-        sources=sources,
-        **figures,
-    )
+    return _profile(f"h100-superpod x{nodes}", nodes, figures, sources, rail_optimized=True)
 
 
 def gb200_nvl72(racks: int = 2) -> FatTree:
@@ -309,14 +309,7 @@ def gb200_nvl72(racks: int = 2) -> FatTree:
         "nic_latency": _LATENCY_NOTE,
         "spine_latency": _LATENCY_NOTE,
     }
-    return FatTree(
-        name=f"gb200-nvl72 x{racks}",
-        domains=racks,
-        rail_optimized=True,
-        figures=figures,
-        sources=sources,
-        **figures,
-    )
+    return _profile(f"gb200-nvl72 x{racks}", racks, figures, sources, rail_optimized=True)
 
 
 def ethernet_2to1(nodes: int = 4) -> FatTree:
@@ -342,13 +335,7 @@ def ethernet_2to1(nodes: int = 4) -> FatTree:
         "nic_latency": _LATENCY_NOTE + " (RoCE a little slower than InfiniBand: assumed)",
         "spine_latency": _LATENCY_NOTE,
     }
-    return FatTree(
-        name=f"ethernet-2to1 x{nodes}",
-        domains=nodes,
-        figures=figures,
-        sources=sources,
-        **figures,
-    )
+    return _profile(f"ethernet-2to1 x{nodes}", nodes, figures, sources)
 
 
 def tpu_v5p(shape: tuple[int, ...] = (4, 4, 4)) -> Torus:

@@ -461,6 +461,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
+            topology=args.topology,
+            algorithm=args.algorithm,
             in_process=world_size == 1 and not launch.under_torchrun() and fault is None,
             fault=fault,
             checkpoint_dir=args.checkpoint_dir,
@@ -518,13 +520,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             _say(args, line)
     if run.modeled is not None:
         m = report["modeled"]
-        _say(args, f"  modeled on {m['hardware']} ({m['gpus_per_node']} GPUs per node), last step:")
+        where = (
+            f"{m['hardware']}'s compute, {m['topology']}'s links"
+            if "topology" in m
+            else f"{m['hardware']} ({m['gpus_per_node']} GPUs per node)"
+        )
+        _say(args, f"  modeled on {where}, last step:")
         _say(
             args,
             f"    step {m['step_time_s'] * 1e6:.2f} us   compute {m['compute_s'] * 1e6:.2f} us   "
             f"comm {m['comm_s'] * 1e6:.2f} us   exposed comm {m['exposed_comm_s'] * 1e6:.2f} us   "
             f"bubble {m['bubble_fraction']:.1%}   (means over ranks; step = makespan)",
         )
+        for op, used in m.get("algorithms", {}).items():
+            _say(args, f"    {op}: " + ", ".join(f"{algorithm} x{count}" for algorithm, count in used.items()))
     if args.plot:
         _say(args, "  " + _save_plots(run, args.plot))
     return 0
@@ -981,6 +990,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
     run.add_argument(
         "--gpus-per-node", type=_positive_int, help="with --hardware: GPUs per node (default: the profile's)"
+    )
+    run.add_argument(
+        "--topology",
+        metavar="NAME[:SIZE]",
+        help="with --hardware: time the collectives on this topology's links (h100-superpod, gb200-nvl72, tpu-v5p, "
+        "ethernet-2to1, h100-two-level; SIZE: nodes, racks or a torus shape such as 4x4x4)",
+    )
+    run.add_argument(
+        "--algorithm",
+        choices=["ring", "tree", "hierarchical", "torus"],
+        help="with --topology: force this collective algorithm where it can run (default: the fastest, as NCCL picks)",
     )
     training_flags(run)
     mixed_schemes = ", ".join(name for name, spec in SCHEMES.items() if spec.precisions)

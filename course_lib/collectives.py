@@ -18,7 +18,8 @@ sends (a 1/n share to each rank, itself included). Compute (the reduction's addi
   IJHPCA: the short-message algorithms). Latency-bound messages gain: log2 n steps instead of n-1. NCCL's
   double binary tree (Sanders, Speck & Traff 2009, "Two-tree algorithms for full bandwidth broadcast, reduction and
   scan", Parallel Computing) pipelines halves of the buffer down two complementary trees to approach the ring's
-  bandwidth; that pipelining is not modeled here.
+  bandwidth; that pipelining is not modeled here. A broadcast is the tree's second half alone, from the group's
+  first rank.
 * **hierarchical** (fat-tree, a group spanning domains with d members each): reduce-scatter on a ring inside each
   domain, all-reduce of the 1/d shard on d rings across domains (one per local rank, i.e. per rail), all-gather
   inside: 2(d-1)(alpha_in + nbytes/(d B_in)) + 2(N-1)(alpha_out + nbytes/(dN B_out)). Only 1/d of the buffer
@@ -55,12 +56,13 @@ ALGORITHMS = {
     "reduce_scatter": ("ring", "torus"),
     "all_gather": ("ring", "torus"),
     "all_to_all": ("all_to_all",),
+    "broadcast": ("tree",),
     "send": ("p2p",),
 }
 
 WHY = {
     "ring": "bandwidth-bound: each rank sends the least bytes any all-reduce can (Patarasuk & Yuan 2009)",
-    "tree": "latency-bound: 2 log2(n) message latencies instead of the ring's 2(n-1) (Thakur et al. 2005)",
+    "tree": "latency-bound: log2(n) message latencies per half instead of the ring's n-1 (Thakur et al. 2005)",
     "hierarchical": "only 1/d of the buffer crosses the slow network, the rest moves over NVLink",
     "torus": "every chip's links on each axis carry half the shard each way at once",
     "all_to_all": "every pair's message at once; the busiest link (NIC, leaf uplink or torus link) sets the time",
@@ -99,13 +101,15 @@ def tree_levels(n: int) -> list[list[tuple[int, int]]]:
     return [[(i, i - 2**k) for i in range(n) if i % 2 ** (k + 1) == 2**k] for k in range(ceil(log2(n)) if n > 1 else 0)]
 
 
-def tree(topology: Topology, group: Sequence[int], nbytes: float) -> float:
-    """Binomial-tree reduce then broadcast: per level, the slowest pair's latency plus the whole buffer."""
+def tree(topology: Topology, group: Sequence[int], nbytes: float, op: str = "all_reduce") -> float:
+    """Binomial-tree reduce then broadcast (a broadcast: the second half alone): per level, the slowest pair's
+    latency plus the whole buffer."""
     g = topology.check_group(group)
+    halves = 2 if op == "all_reduce" else 1
     total = 0.0
     for level in tree_levels(len(g)):
         bandwidth, latency = _worst(topology, [(g[a], g[b]) for a, b in level])
-        total += 2 * (latency + nbytes / bandwidth)
+        total += halves * (latency + nbytes / bandwidth)
     return total
 
 
@@ -212,7 +216,7 @@ def cost(topology: Topology, op: str, algorithm: str, group: Sequence[int], nbyt
     if algorithm == "ring":
         return ring(topology, group, nbytes, op)
     if algorithm == "tree":
-        return tree(topology, group, nbytes)
+        return tree(topology, group, nbytes, op)
     if algorithm == "hierarchical":
         return hierarchical(topology, group, nbytes)
     if algorithm == "torus":

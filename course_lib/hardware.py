@@ -11,6 +11,10 @@ issued and waited for, in order) is replayed by a small discrete-event simulatio
   an all-to-all (expert parallelism's dispatch and combine) takes the bytes its busiest member sends to its n-1
   peers over that link, plus n-1 latencies (:func:`collective_time`);
 * a point-to-point message starts when both the send and the receive are posted;
+* with a ``topology`` (:mod:`course_lib.topology`), each collective and message is instead timed by
+  :func:`course_lib.collectives.choose` on it: the group's ranks mapped to GPUs (in order, or by ``gpus``), the
+  algorithm the fastest for its size, as NCCL picks, or a forced one (:func:`time_on_topology`). The topology
+  supplies the links only; compute still runs at the hardware profile's peak;
 * a rank that waits for a collective blocks until it is done; an async collective overlaps the compute issued
   between it and its wait.
 
@@ -26,11 +30,16 @@ bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from course_lib.comm import CommRecord
 from course_lib.trace import Compute, Event, Issue, Wait
+
+if TYPE_CHECKING:  # course_lib.topology imports this module's profiles
+    from course_lib.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,21 @@ def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latenc
     return sent_bytes / bandwidth + ring_steps(op, n) * latency
 
 
+@dataclass(frozen=True)
+class Timed:
+    """How the clock timed one collective on a topology: its kind, its group as GPUs, the buffer one rank holds
+    (``nbytes``, as :mod:`course_lib.collectives` means it), the algorithm, its time, the slowest link any two
+    members' route crosses (bytes/s) and why the algorithm was used."""
+
+    op: str
+    gpus: tuple[int, ...]
+    nbytes: float
+    algorithm: str
+    time_s: float
+    slowest_link: float
+    why: str
+
+
 @dataclass
 class ModeledRank:
     """One rank's modeled step: its span, compute, time with data in flight (``comm_s``: the union of its
@@ -224,20 +248,33 @@ class ModeledRun:
     step's makespan over all ranks."""
 
     hardware: str
-    gpus_per_node: int
+    gpus_per_node: int | None  # None on a topology whose GPUs are not in nodes (a torus)
     step: int | None
     step_time_s: float
     events: list[list[Event]]
     ranks: list[ModeledRank]
+    topology: str | None = None
+    collectives: list[Timed] = field(default_factory=list)  # on a topology: each collective of ``step`` once
+
+    @property
+    def algorithms(self) -> dict[str, dict[str, int]]:
+        """On a topology: per collective kind, how many of ``step``'s collectives each algorithm ran."""
+        out: dict[str, dict[str, int]] = {}
+        for (op, algorithm), count in sorted(Counter((t.op, t.algorithm) for t in self.collectives).items()):
+            out.setdefault(op, {})[algorithm] = count
+        return out
 
     def summary(self) -> dict:
         """The JSON section ``modeled``: the step's makespan; compute, comm, exposed comm and bubble fraction
-        averaged over the ranks."""
+        averaged over the ranks; on a topology, its name and the algorithms the clock used."""
         mean = {
             key: sum(getattr(r, key) for r in self.ranks) / len(self.ranks)
             for key in ("compute_s", "comm_s", "exposed_comm_s", "bubble_fraction")
         }
-        return {"hardware": self.hardware, "gpus_per_node": self.gpus_per_node, "step_time_s": self.step_time_s, **mean}
+        out = {"hardware": self.hardware, "gpus_per_node": self.gpus_per_node, "step_time_s": self.step_time_s, **mean}
+        if self.topology is not None:
+            out |= {"topology": self.topology, "algorithms": self.algorithms}
+        return out
 
     def per_rank(self) -> list[dict]:
         return [asdict(r) for r in self.ranks]
@@ -271,17 +308,35 @@ def replay(
     efficiency: float = 0.5,
     precision: str = "bf16",
     step: int | None = -1,
+    topology: Topology | str | None = None,
+    algorithm: str | None = None,
+    gpus: Sequence[int] | None = None,
 ) -> ModeledRun:
-    """Replay the ranks' programs on ``hardware``; report ``step`` (-1: the last; None: the whole run)."""
+    """Replay the ranks' programs on ``hardware``; report ``step`` (-1: the last; None: the whole run).
+
+    With ``topology`` (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod:4"``, see
+    :func:`course_lib.topology.from_spec`), rank r runs on GPU ``gpus[r]`` (default: GPU r) and every collective is
+    timed on the topology (:func:`time_on_topology`), with ``algorithm`` forced where it can run; the nodes are the
+    topology's, so ``gpus_per_node`` is not given. Compute still runs at the profile's peak."""
     profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
-    per_node = gpus_per_node or profile.gpus_per_node
-    if per_node < 1:
-        raise ValueError(f"gpus_per_node must be at least 1, not {per_node}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
     rate = profile.peak_flops[precision] * efficiency
     n = len(programs)
     keys, members = _match(records)
+    if topology is None:
+        if gpus is not None or algorithm is not None:
+            raise ValueError("gpus and algorithm place and time collectives on a topology; give a topology too")
+        per_node = gpus_per_node or profile.gpus_per_node
+        if per_node < 1:
+            raise ValueError(f"gpus_per_node must be at least 1, not {per_node}")
+        timed: dict = {}
+    else:
+        if gpus_per_node is not None:
+            raise ValueError("the topology says which GPUs share a node; drop gpus_per_node (place ranks with gpus)")
+        topo, placed = resolve_topology(topology, n, algorithm, gpus)
+        per_node = getattr(topo, "gpus_per_domain", None)
+        timed = _time_all(topo, placed, records, members, algorithm)
     arrived: dict = defaultdict(dict)  # key -> {rank: time it issued}
     done: dict = {}  # key -> (start, end) of the data movement
     group_free: dict = defaultdict(float)  # a group's collectives run one after another
@@ -294,11 +349,15 @@ def replay(
         ranks = group[1:]
         if len(arrived[key]) < len(ranks):
             return
-        bandwidth, latency, _ = link(profile, ranks, per_node)
-        sent = max(records[r][i].sent_bytes for r, i in members[key].items())
-        op = records[ranks[0]][members[key][ranks[0]]].op
+        if topology is None:
+            bandwidth, latency, _ = link(profile, ranks, per_node)
+            sent = max(records[r][i].sent_bytes for r, i in members[key].items())
+            op = records[ranks[0]][members[key][ranks[0]]].op
+            seconds = collective_time(op, sent, len(ranks), bandwidth, latency)
+        else:
+            seconds = timed[key].time_s
         start = max(max(arrived[key].values()), group_free[group])
-        done[key] = (start, start + collective_time(op, sent, len(ranks), bandwidth, latency))
+        done[key] = (start, start + seconds)
         group_free[group] = done[key][1]
 
     progress = True
@@ -339,7 +398,99 @@ def replay(
     stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
     makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
     ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(n)]
-    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
+    if topology is None:
+        return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
+    in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
+    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step)
+
+
+def _step_of(key: tuple, records: list[list[CommRecord]], members: dict) -> int | None:
+    rank, index = next(iter(members[key].items()))
+    return records[rank][index].tags.get("step")
+
+
+def resolve_topology(
+    topology: Topology | str, world_size: int, algorithm: str | None = None, gpus: Sequence[int] | None = None
+) -> tuple[Topology, list[int]]:
+    """(the topology, each rank's GPU) for a replay of ``world_size`` ranks, or a one-line ValueError: a world
+    larger than the topology, a bad placement, an unknown algorithm. ``topology``: a Topology or a profile spec."""
+    from course_lib import collectives
+    from course_lib.topology import from_spec
+
+    topo = from_spec(topology) if isinstance(topology, str) else topology
+    if world_size > topo.n_gpus:
+        raise ValueError(
+            f"{world_size} ranks do not fit {topo.name}, which has {topo.n_gpus} GPUs; use a bigger topology "
+            "(e.g. h100-superpod:4 for 4 nodes, tpu-v5p:4x4x4) or fewer ranks"
+        )
+    placed = list(range(world_size)) if gpus is None else list(gpus)
+    if len(placed) != world_size:
+        raise ValueError(f"gpus places {len(placed)} ranks, not the run's {world_size}; give one GPU per rank")
+    topo.check_group(placed)
+    known = sorted({a for algos in collectives.ALGORITHMS.values() for a in algos})
+    if algorithm is not None and algorithm not in known:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
+    needs = {"torus": "Torus", "hierarchical": "FatTree"}.get(algorithm)
+    if needs is not None and type(topo).__name__ != needs:
+        raise ValueError(f"the {algorithm} algorithm runs on a {needs}, and {topo.name} is not one; choose another")
+    return topo, placed
+
+
+def choose_args(recs: list[CommRecord]) -> tuple[str, float]:
+    """A collective's records as :func:`course_lib.collectives.choose` takes it: its op and the buffer one rank
+    holds. The ledger's tensor bytes are that buffer for an all-reduce, a reduce-scatter (its input), an
+    all-gather (its output), a broadcast and a message; an all-to-all is timed by its busiest sender, as the
+    buffer of n equal shares that sends as many bytes to the others; a barrier is an all-reduce of nothing."""
+    op, n = recs[0].op, recs[0].group_size
+    if op in ("send", "recv"):
+        return "send", float(max(r.tensor_bytes for r in recs))
+    if op == "barrier":
+        return "all_reduce", 0.0
+    if op == "all_to_all":
+        return op, max(r.sent_bytes for r in recs) * n / (n - 1) if n > 1 else 0.0
+    return op, float(max(r.tensor_bytes for r in recs))
+
+
+def time_on_topology(
+    topology: Topology, op: str, group: Sequence[int], nbytes: float, algorithm: str | None = None
+) -> Timed:
+    """One collective on a topology's GPUs ``group``, timed by :func:`course_lib.collectives.choose`: ``algorithm``
+    where it can run this op on this group, otherwise the fastest that can (its ``why`` then does not say forced)."""
+    from course_lib import collectives
+
+    choice = None
+    if algorithm in collectives.ALGORITHMS.get(op, ()):
+        try:
+            choice = collectives.choose(topology, op, group, nbytes, algorithm)
+        except ValueError:
+            choice = None  # not on this group (hierarchical inside one domain, torus on a fat-tree)
+    choice = choice or collectives.choose(topology, op, group, nbytes)
+    slowest = min((topology.path(a, b)[0] for a in group for b in group if a != b), default=float("inf"))
+    return Timed(op, tuple(group), nbytes, choice.algorithm, choice.time_s, slowest, choice.why)
+
+
+def _time_all(
+    topology: Topology, placed: list[int], records: list[list[CommRecord]], members: dict, algorithm: str | None
+) -> dict[tuple, Timed]:
+    """Every collective every member issued, timed on the topology before the replay starts (so a group that
+    cannot run there is an error before any event); the same collective shape is timed once."""
+    timed, cache = {}, {}
+    for key, where in members.items():
+        ranks = key[0][1:]
+        if len(where) < len(ranks):
+            continue  # some member never issued it: the replay names the deadlock
+        op, nbytes = choose_args([records[r][i] for r, i in where.items()])
+        shape = (op, tuple(placed[r] for r in ranks), nbytes)
+        if shape not in cache:
+            cache[shape] = time_on_topology(topology, *shape, algorithm)
+        timed[key] = cache[shape]
+    if algorithm is not None and timed and all(t.algorithm != algorithm for t in timed.values()):
+        raise ValueError(
+            f"the {algorithm} algorithm can run none of this run's collectives on {topology.name} (see "
+            "course_lib.collectives.ALGORITHMS: hierarchical needs groups over several NVLink domains, torus a "
+            "torus); choose another, or none"
+        )
+    return timed
 
 
 def _last_step(programs: list[list]) -> int | None:

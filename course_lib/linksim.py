@@ -41,11 +41,12 @@ def ring_steps(group: Sequence[int], nbytes: float, op: str = "all_reduce") -> l
     return [step] * (halves * (n - 1)) if n > 1 else []
 
 
-def tree_steps(group: Sequence[int], nbytes: float) -> list[list[Message]]:
-    """Up a binomial tree (children send their whole partial sums to their parents), then down it."""
+def tree_steps(group: Sequence[int], nbytes: float, op: str = "all_reduce") -> list[list[Message]]:
+    """Up a binomial tree (children send their whole partial sums to their parents), then down it (a broadcast:
+    only down, from the group's first rank)."""
     up = [[(group[c], group[p], nbytes) for c, p in level] for level in tree_levels(len(group))]
     down = [[(p, c, size) for c, p, size in level] for level in reversed(up)]
-    return up + down
+    return up + down if op == "all_reduce" else down
 
 
 def hierarchical_steps(topology: FatTree, group: Sequence[int], nbytes: float) -> list[list[Message]]:
@@ -85,7 +86,7 @@ def steps_for(topology: Topology, op: str, algorithm: str, group: Sequence[int],
     if algorithm == "ring":
         return ring_steps(group, nbytes, op)
     if algorithm == "tree":
-        return tree_steps(group, nbytes)
+        return tree_steps(group, nbytes, op)
     if algorithm == "hierarchical":
         return hierarchical_steps(topology, group, nbytes)
     if algorithm == "torus":

@@ -212,7 +212,12 @@ def plot_clocks(
         step_only(modeled.events),
         ax=bottom,
         title=title,
-        clock=f"modeled: {modeled.hardware}, {modeled.gpus_per_node} GPU{'s' * (modeled.gpus_per_node != 1)} per node",
+        clock=f"modeled: {modeled.hardware}, "
+        + (
+            f"{modeled.gpus_per_node} GPU{'s' * (modeled.gpus_per_node != 1)} per node"
+            if modeled.topology is None
+            else f"links of {modeled.topology}"
+        ),
     )
     return fig
 

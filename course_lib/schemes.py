@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from course_lib import checkpoint, comm, launch, precision
 from course_lib.faults import Fault, injected
-from course_lib.hardware import ModeledRun, get_profile, replay
+from course_lib.hardware import ModeledRun, get_profile, replay, resolve_topology
 from course_lib.models import (
     GPTConfig,
     ModelFactory,
@@ -35,6 +35,7 @@ from course_lib.models import (
     train_reference,
 )
 from course_lib.parallel.interface import Scheme
+from course_lib.topology import Topology
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
 SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context", "expert")
@@ -120,6 +121,8 @@ def run_scheme(
     timeout: float = 120.0,
     hardware: str | None = None,
     gpus_per_node: int | None = None,
+    topology: Topology | str | None = None,
+    algorithm: str | None = None,
     patch: tuple[str, str, Callable] | None = None,
     stall_timeout: float = 20.0,
     max_ranks: int | None = None,
@@ -132,7 +135,10 @@ def run_scheme(
     **options,
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
-    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster. ``patch`` =
+    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with ``topology``
+    too (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod"`` or ``"tpu-v5p:4x4x4"``),
+    time its collectives on that topology's links, with ``algorithm`` forced where it can run
+    (:func:`course_lib.hardware.replay`). ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
     ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
     one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing.
@@ -153,6 +159,17 @@ def run_scheme(
     profile = get_profile(hardware) if hardware is not None else None
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {gpus_per_node}")
+    if (topology is not None or algorithm is not None) and profile is None:
+        raise ValueError(
+            "a topology gives the modeled clock its links; its compute comes from a hardware profile: "
+            "add hardware (e.g. h100)"
+        )
+    if algorithm is not None and topology is None:
+        raise ValueError("an algorithm is forced on a topology's links; add a topology (e.g. h100-superpod)")
+    if topology is not None:
+        if gpus_per_node is not None:
+            raise ValueError("the topology says which GPUs share a node; drop gpus_per_node")
+        topology, _ = resolve_topology(topology, world_size, algorithm)
     rank_fn = functools.partial(_patched, spec.train, patch) if patch else spec.train
     plan = checkpoint.plan_for(
         spec.name,
@@ -273,7 +290,11 @@ def run_scheme(
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
     if spec.describe is not None:
         report |= spec.describe(world_size, cfg, train, settings)
-    modeled = replay(result.programs, result.comm, profile, gpus_per_node) if profile is not None else None
+    modeled = (
+        replay(result.programs, result.comm, profile, gpus_per_node, topology=topology, algorithm=algorithm)
+        if profile is not None
+        else None
+    )
     if modeled is not None:
         report["modeled"] = modeled.summary()
         if "bubble_fraction" in report:  # the modeled clock's bubble replaces the plan's

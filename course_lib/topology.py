@@ -21,6 +21,7 @@ Every profile (:data:`PROFILES`) carries its figures and, for each, where it com
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
@@ -371,3 +372,22 @@ def get_topology(name: str, **size) -> Topology:
     if name not in PROFILES:
         raise ValueError(f"unknown topology {name!r}; choose one of {sorted(PROFILES)}")
     return PROFILES[name](**size)
+
+
+def from_spec(spec: str) -> Topology:
+    """A profile from ``NAME`` (its default size) or ``NAME:SIZE``, SIZE its nodes or racks (``h100-superpod:2``)
+    or a torus shape (``tpu-v5p:2x4x4``), as the command line's ``--topology`` gives it."""
+    name, _, size = spec.partition(":")
+    if not size:
+        return get_topology(name)
+    if name not in PROFILES:
+        return get_topology(name)  # the unknown-name error
+    keyword = next(iter(inspect.signature(PROFILES[name]).parameters))
+    try:
+        numbers = tuple(int(k) for k in size.split("x"))
+    except ValueError:
+        numbers = ()
+    if not numbers or (keyword != "shape" and len(numbers) != 1):
+        example = "4x4x4" if keyword == "shape" else "4"
+        raise ValueError(f"bad size {size!r} in topology {spec!r}: give {keyword}, e.g. {name}:{example}")
+    return get_topology(name, **{keyword: numbers if keyword == "shape" else numbers[0]})

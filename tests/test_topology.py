@@ -40,6 +40,7 @@ CASES = [
     ("all_gather", "ring", ["across nodes (rails)", "2D torus"]),
     ("reduce_scatter", "ring", ["two-level h100"]),
     ("all_reduce", "tree", ["in a node", "across nodes (rails)", "2:1 fat-tree", "3D torus"]),
+    ("broadcast", "tree", ["half of each node", "two NVL72 racks", "2D torus"]),
     ("all_reduce", "hierarchical", ["across nodes (rails)", "half of each node", "2:1 fat-tree", "two NVL72 racks"]),
     ("all_reduce", "torus", ["torus axis", "2D torus", "3D torus", "2x4x4 torus"]),
     ("reduce_scatter", "torus", ["3D torus", "2x4x4 torus"]),

@@ -415,7 +415,7 @@ def resolve_topology(
     """(the topology, each rank's GPU) for a replay of ``world_size`` ranks, or a one-line ValueError: a world
     larger than the topology, a bad placement, an unknown algorithm. ``topology``: a Topology or a profile spec."""
     from course_lib import collectives
-    from course_lib.topology import from_spec
+    from course_lib.topology import FatTree, Torus, from_spec
 
     topo = from_spec(topology) if isinstance(topology, str) else topology
     if world_size > topo.n_gpus:
@@ -430,9 +430,11 @@ def resolve_topology(
     known = sorted({a for algos in collectives.ALGORITHMS.values() for a in algos})
     if algorithm is not None and algorithm not in known:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
-    needs = {"torus": "Torus", "hierarchical": "FatTree"}.get(algorithm)
-    if needs is not None and type(topo).__name__ != needs:
-        raise ValueError(f"the {algorithm} algorithm runs on a {needs}, and {topo.name} is not one; choose another")
+    needs = {"torus": Torus, "hierarchical": FatTree}.get(algorithm)
+    if needs is not None and not isinstance(topo, needs):
+        raise ValueError(
+            f"the {algorithm} algorithm runs on a {needs.__name__}, and {topo.name} is not one; choose another"
+        )
     return topo, placed
 
 

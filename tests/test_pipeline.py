@@ -73,6 +73,11 @@ def test_the_checker_catches_broken_tables():
         ("1f1b", 4, 8, 2, "--chunks 2 needs the interleaved schedule"),
         ("interleaved", 4, 8, 1, "needs at least 2 chunks"),
         ("pipedream", 4, 8, 1, "unknown schedule 'pipedream'"),
+        ("dualpipev", 4, 7, 1, "dualpipev needs at least 2p = 8 microbatches on 4 ranks"),
+        ("dualpipev", 1, 1, 1, "at least 2p = 2 microbatches"),
+        ("zb-v", 4, 8, 2, "zb-v places 2 chunks per rank in a V by itself"),
+        ("dualpipev", 4, 8, 3, "leave out --chunks 3"),
+        ("dualpipe", 4, 8, 1, "unknown schedule 'dualpipe'"),
     ],
 )
 def test_schedules_that_cannot_run_are_refused(schedule, p, m, v, message):

@@ -140,21 +140,6 @@ def test_receives_follow_each_peers_send_order_and_the_checker_sees_when_not():
         check([tables[0], [a for a in tables[1] if a.kind != "RECV_F" or a.microbatch], *tables[2:]], 8, 2)
 
 
-@pytest.mark.parametrize(
-    ("schedule", "p", "m", "chunks", "message"),
-    [
-        ("dualpipev", 4, 7, 1, "dualpipev needs at least 2p = 8 microbatches on 4 ranks"),
-        ("dualpipev", 1, 1, 1, "at least 2p = 2 microbatches"),
-        ("zb-v", 4, 8, 2, "zb-v places 2 chunks per rank in a V by itself"),
-        ("dualpipev", 4, 8, 3, "leave out --chunks 3"),
-        ("dualpipe", 4, 8, 1, "unknown schedule 'dualpipe'"),
-    ],
-)
-def test_sizes_a_schedule_cannot_run_are_refused(schedule, p, m, chunks, message):
-    with pytest.raises(ValueError, match=message):
-        generate(schedule, p, m, chunks)
-
-
 def test_zb_v_with_fewer_microbatches_than_its_pattern_drops_the_missing_ones():
     """ZB-V is laid out for 2p-1 microbatches; with fewer (as PyTorch does) the others' actions are left out, which
     stays free of deadlock but idles more. It needs no minimum."""

@@ -463,6 +463,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             topology=args.topology,
             algorithm=args.algorithm,
+            placement=args.placement,
             in_process=world_size == 1 and not launch.under_torchrun() and fault is None,
             fault=fault,
             checkpoint_dir=args.checkpoint_dir,
@@ -534,6 +535,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         for op, used in m.get("algorithms", {}).items():
             _say(args, f"    {op}: " + ", ".join(f"{algorithm} x{count}" for algorithm, count in used.items()))
+        for group, where in m.get("placement", {}).items():
+            links = f"; slowest link {where['slowest_link'] / 1e9:g} GB/s, up to {where['hops']} hops"
+            _say(args, f"    {group} groups: {where['what']}" + links * (where["hops"] > 0))
     if args.plot:
         _say(args, "  " + _save_plots(run, args.plot))
     return 0
@@ -1001,6 +1005,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=["ring", "tree", "hierarchical", "torus"],
         help="with --topology: force this collective algorithm where it can run (default: the fastest, as NCCL picks)",
+    )
+    run.add_argument(
+        "--placement",
+        metavar="AXES[/AXES...]",
+        help="with --topology: the mesh's axes on the topology's levels, innermost first, a '/' before each next "
+        "level (NVLink domain / across domains; torus axes), e.g. tp/pp,dp (default: rank r on GPU r)",
     )
     training_flags(run)
     mixed_schemes = ", ".join(name for name, spec in SCHEMES.items() if spec.precisions)

@@ -28,14 +28,15 @@ sends (a 1/n share to each rank, itself included). Compute (the reduction's addi
 * **torus** all-reduce: dimension by dimension, a bidirectional ring per axis (half the shard each way round, on
   the axis' two links of every chip), reduce-scatter over the axes, all-gather back: sum over axes of
   2(k-1)(alpha + s/(2kB)), s the shard entering the axis, divided by k after it (a ring of two has one cable, so
-  s/(kB)); a reduce-scatter or all-gather alone is one half. (Chan, Heimlich, Purkayastha & van de Geijn 2007,
-  "Collective communication: theory, practice, and experience", CCPE, multidimensional bucket algorithms;
-  Google's TPU pods, Jouppi et al. 2023.)
+  s/(kB), and a pair of neighbours in a longer ring the same); a reduce-scatter or all-gather alone is one half.
+  (Chan, Heimlich, Purkayastha & van de Geijn 2007, "Collective communication: theory, practice, and
+  experience", CCPE, multidimensional bucket algorithms; Google's TPU pods, Jouppi et al. 2023.)
 * **all-to-all**: every pair's message in flight at once, each link shared equally by the messages crossing it.
   On a fat-tree the busiest links are a GPU's NIC (its messages leaving the domain) and a leaf's uplink (its GPUs'
-  messages leaving the leaf): the bisection, where oversubscription bites. On a torus the busiest link of an axis
-  of k chips carries f(f+1)/2 x n/k messages, f = k // 2 (dimension-order routing, ties the positive way); the
-  longest message crosses sum(f) hops.
+  messages leaving the leaf): the bisection, where oversubscription bites. On a torus (a box of whole rings and
+  short runs) the busiest link of a whole ring of k chips carries f(f+1)/2 x n/k messages, f = k // 2
+  (dimension-order routing, ties the positive way), of a run of m floor(m/2) ceil(m/2) x n/m; the longest message
+  crosses f (or m-1) hops per axis. Scattered chips (not a box) are timed by the link-level simulation itself.
 * **p2p**: the route's latency (hops x hop latency on a torus) + nbytes / its slowest link.
 
 :func:`choose` picks the fastest applicable algorithm for a collective, group and size, as NCCL's tuner picks the
@@ -146,16 +147,29 @@ def hierarchical(topology: Topology, group: Sequence[int], nbytes: float) -> flo
 
 def torus(topology: Topology, group: Sequence[int], nbytes: float, op: str = "all_reduce") -> float:
     """Bidirectional rings axis by axis: reduce-scatter down the axes, all-gather back up them (an all-reduce is
-    both; each half alone is a reduce-scatter or an all-gather)."""
+    both; each half alone is a reduce-scatter or an all-gather). Each axis the group spans must be a whole ring or
+    a pair of neighbours (one cable, as a ring of two)."""
     if not isinstance(topology, Torus):
         raise ValueError(f"the torus all-reduce needs a Torus, not {topology.name}")
     total, shard = 0.0, nbytes
-    for axis in topology.axes(group):
-        k = topology.shape[axis]
-        per_step = shard / (2 * k) if k > 2 else shard / k  # a ring of two: both halves on its one cable
+    for k in torus_rings(topology, group).values():
+        per_step = shard / (2 * k) if k > 2 else shard / k  # a pair: both halves on its one cable
         total += (k - 1) * (topology.hop_latency + per_step / topology.link_bandwidth)
         shard /= k
     return 2 * total if op == "all_reduce" else total
+
+
+def torus_rings(topology: Torus, group: Sequence[int]) -> dict[int, int]:
+    """The rings the torus algorithm runs on, per axis: the group's box (:meth:`Torus.box`) if each of its
+    extents is the whole ring or a pair, else ValueError (a longer run has no wrap-around link)."""
+    extents = topology.box(group)
+    runs = {axis: m for axis, m in extents.items() if m not in (2, topology.shape[axis])}
+    if runs:
+        raise ValueError(
+            f"the torus algorithm needs whole rings (or pairs) on every axis it spans, and the group holds runs "
+            f"{runs} of rings {[topology.shape[a] for a in runs]} on {topology.name}; use ring or tree"
+        )
+    return extents
 
 
 def all_to_all(topology: Topology, group: Sequence[int], nbytes: float) -> float:
@@ -168,13 +182,26 @@ def all_to_all(topology: Topology, group: Sequence[int], nbytes: float) -> float
 
 
 def _torus_all_to_all(topology: Torus, group: Sequence[int], nbytes: float) -> float:
-    axes = topology.axes(group)
+    """On a box (:meth:`Torus.box`), the busiest link of an axis carries L x n/m of the messages, the axis' m
+    members per line times the n/m lines that route through it: L = f(f+1)/2 on a whole ring (f = k // 2, ties
+    the positive way), floor(m/2) ceil(m/2) across the middle of a run of m; the longest message crosses f or m-1
+    hops per axis, through each axis' busiest link. Chips that are not a box have no closed form here: their time
+    is :func:`course_lib.linksim.simulate`'s, every route's sharing counted."""
     n = len(group)
     if n == 1:
         return 0.0
-    far = [topology.shape[ax] // 2 for ax in axes]
-    load = max(f * (f + 1) / 2 * n / topology.shape[ax] for f, ax in zip(far, axes, strict=True))
-    return sum(far) * topology.hop_latency + nbytes / n * load / topology.link_bandwidth
+    try:
+        extents = topology.box(group)
+    except ValueError:  # scattered chips: no closed form; the link-level simulation counts every route's sharing
+        from course_lib import linksim
+
+        return linksim.simulate(topology, linksim.all_to_all_steps(list(group), nbytes))
+    hops, load = 0, 0.0
+    for axis, m in extents.items():
+        far = topology.shape[axis] // 2 if m == topology.shape[axis] else m - 1
+        line = far * (far + 1) / 2 if m == topology.shape[axis] else (m // 2) * ((m + 1) // 2)
+        hops, load = hops + far, max(load, line * n / m)
+    return hops * topology.hop_latency + nbytes / n * load / topology.link_bandwidth
 
 
 def _fat_tree_all_to_all(topology: FatTree, group: Sequence[int], nbytes: float) -> float:

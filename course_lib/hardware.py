@@ -39,7 +39,7 @@ from course_lib.comm import CommRecord
 from course_lib.trace import Compute, Event, Issue, Wait
 
 if TYPE_CHECKING:  # course_lib.topology imports this module's profiles
-    from course_lib.topology import Topology
+    from course_lib.topology import Topology, Where
 
 
 @dataclass(frozen=True)
@@ -255,6 +255,7 @@ class ModeledRun:
     ranks: list[ModeledRank]
     topology: str | None = None
     collectives: list[Timed] = field(default_factory=list)  # on a topology: each collective of ``step`` once
+    placement: dict[str, Where] = field(default_factory=dict)  # on a topology: each group's worst-placed group
 
     @property
     def algorithms(self) -> dict[str, dict[str, int]]:
@@ -273,7 +274,11 @@ class ModeledRun:
         }
         out = {"hardware": self.hardware, "gpus_per_node": self.gpus_per_node, "step_time_s": self.step_time_s, **mean}
         if self.topology is not None:
-            out |= {"topology": self.topology, "algorithms": self.algorithms}
+            out |= {
+                "topology": self.topology,
+                "algorithms": self.algorithms,
+                "placement": {name: asdict(where) for name, where in self.placement.items()},
+            }
         return out
 
     def per_rank(self) -> list[dict]:
@@ -401,7 +406,25 @@ def replay(
     if topology is None:
         return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
     in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
-    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step)
+    placement = _placement(topo, placed, records, members)
+    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step, placement)
+
+
+def _placement(topology: Topology, placed: list[int], records: list[list[CommRecord]], members: dict) -> dict:
+    """For each named group (an axis: tp, pp, dp, ...), where its worst-placed group sits on the topology: the
+    one with the slowest link, then the most hops (:meth:`course_lib.topology.Topology.where`)."""
+    out: dict[str, Where] = {}
+    seen: dict[tuple, Where] = {}
+    for key, where in members.items():
+        rank, index = next(iter(where.items()))
+        name = records[rank][index].group
+        gpus = tuple(placed[r] for r in key[0][1:])
+        if gpus not in seen:
+            seen[gpus] = topology.where(gpus)
+        here = seen[gpus]
+        if name not in out or (here.slowest_link, -here.hops) < (out[name].slowest_link, -out[name].hops):
+            out[name] = here
+    return out
 
 
 def _step_of(key: tuple, records: list[list[CommRecord]], members: dict) -> int | None:

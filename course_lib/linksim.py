@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from course_lib.collectives import domains_of, tree_levels
+from course_lib.collectives import domains_of, torus_rings, tree_levels
 from course_lib.topology import FatTree, Topology, Torus
 
 Message = tuple[int, int, float]  # source GPU, destination GPU, bytes
@@ -60,15 +60,21 @@ def hierarchical_steps(topology: FatTree, group: Sequence[int], nbytes: float) -
 
 
 def torus_steps(topology: Torus, group: Sequence[int], nbytes: float, op: str = "all_reduce") -> list[list[Message]]:
-    """Axis by axis, every chip sends half its chunk to each of its two ring neighbours, k-1 times (reduce-scatter,
-    the shard shrinking k-fold per axis); then the same back in reverse axis order (all-gather). An all-reduce
-    is both halves."""
+    """Axis by axis, every chip sends half its chunk to each of its two ring neighbours in the group (a pair: both
+    halves to the other chip), k-1 times (reduce-scatter, the shard shrinking k-fold per axis); then the same back
+    in reverse axis order (all-gather). An all-reduce is both halves."""
     ranks = topology.check_group(group)
+    members = set(ranks)
     scatter, shard = [], nbytes
-    for axis in topology.axes(ranks):
-        k = topology.shape[axis]
+    for axis, k in torus_rings(topology, ranks).items():
         chunk = shard / k / 2
-        step = [(r, topology.neighbour(r, axis, s), chunk) for r in ranks for s in (1, -1)]
+        step = []
+        for r in ranks:
+            ahead = topology.neighbour(r, axis, 1)
+            ahead = ahead if ahead in members else topology.neighbour(r, axis, -1)  # the end of a pair
+            behind = topology.neighbour(r, axis, -1)
+            behind = behind if behind in members else ahead
+            step += [(r, ahead, chunk), (r, behind, chunk)]
         scatter.append([step] * (k - 1))
         shard /= k
     halves = {"reduce_scatter": scatter, "all_gather": scatter[::-1], "all_reduce": scatter + scatter[::-1]}[op]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from course_lib import checkpoint, comm, launch, precision
+from course_lib import placement as placing
 from course_lib.faults import Fault, injected
 from course_lib.hardware import ModeledRun, get_profile, replay, resolve_topology
 from course_lib.models import (
@@ -123,6 +124,7 @@ def run_scheme(
     gpus_per_node: int | None = None,
     topology: Topology | str | None = None,
     algorithm: str | None = None,
+    placement: str | None = None,
     patch: tuple[str, str, Callable] | None = None,
     stall_timeout: float = 20.0,
     max_ranks: int | None = None,
@@ -138,7 +140,8 @@ def run_scheme(
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with ``topology``
     too (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod"`` or ``"tpu-v5p:4x4x4"``),
     time its collectives on that topology's links, with ``algorithm`` forced where it can run
-    (:func:`course_lib.hardware.replay`). ``patch`` =
+    (:func:`course_lib.hardware.replay`), the mesh's axes on the topology's levels as ``placement`` says (such as
+    ``"tp/pp,dp"``, :mod:`course_lib.placement`; default: rank r on GPU r). ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
     ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
     one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing.
@@ -164,8 +167,11 @@ def run_scheme(
             "a topology gives the modeled clock its links; its compute comes from a hardware profile: "
             "add hardware (e.g. h100)"
         )
-    if algorithm is not None and topology is None:
-        raise ValueError("an algorithm is forced on a topology's links; add a topology (e.g. h100-superpod)")
+    if (algorithm is not None or placement is not None) and topology is None:
+        what = "an algorithm is forced" if algorithm is not None else "a placement puts the mesh's axes"
+        raise ValueError(f"{what} on a topology's links; add a topology (e.g. h100-superpod)")
+    if placement is not None:
+        placing.parse(placement)
     if topology is not None:
         if gpus_per_node is not None:
             raise ValueError("the topology says which GPUs share a node; drop gpus_per_node")
@@ -290,8 +296,9 @@ def run_scheme(
         raise RuntimeError(f"{scheme}: losses are not finite: {losses}")
     if spec.describe is not None:
         report |= spec.describe(world_size, cfg, train, settings)
+    gpus = placing.gpus_for([r["coords"] for r in report["ranks"]], topology, placement) if placement else None
     modeled = (
-        replay(result.programs, result.comm, profile, gpus_per_node, topology=topology, algorithm=algorithm)
+        replay(result.programs, result.comm, profile, gpus_per_node, topology=topology, algorithm=algorithm, gpus=gpus)
         if profile is not None
         else None
     )

@@ -42,6 +42,19 @@ class Link:
     latency: float
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where a group of GPUs sits: in words, whether that is the topology's fast place for a chatty group (one
+    NVLink domain; a box of neighbouring chips on a torus), the slowest link a route between two members
+    crosses (bytes/s, each way) and the most links such a route crosses (for a torus group that is not a box, the
+    sum over axes of its two farthest members on each: a bound)."""
+
+    what: str
+    fast: bool
+    slowest_link: float
+    hops: int
+
+
 @dataclass(kw_only=True)
 class Topology:
     """GPUs 0..n_gpus-1 and switches joined by directed links; subclasses build ``links`` and say how to route."""
@@ -70,6 +83,15 @@ class Topology:
         """(bandwidth of the slowest link, summed latency) of the route from ``a`` to ``b``, alone on the network."""
         links = self.route(a, b)
         return min((lk.bandwidth for lk in links), default=float("inf")), sum(lk.latency for lk in links)
+
+    def where(self, group: Sequence[int]) -> Where:
+        """Where ``group`` sits on this topology (:class:`Where`), from its structure, not pair by pair."""
+        raise NotImplementedError
+
+    def levels(self) -> list[tuple[str, int]]:
+        """The topology's levels, innermost first, as (name, GPUs along it): where a mesh's axes can be placed
+        (:mod:`course_lib.placement`)."""
+        raise NotImplementedError
 
     def check_group(self, group: Sequence[int]) -> list[int]:
         """The group as a list, or a one-line ValueError if a rank is outside the topology or repeated."""
@@ -144,6 +166,24 @@ class FatTree(Topology):
             return [(a, self.leaf(a)), (self.leaf(a), b)]
         return [(a, self.leaf(a)), (self.leaf(a), ("spine",)), (("spine",), self.leaf(b)), (self.leaf(b), b)]
 
+    def where(self, group: Sequence[int]) -> Where:
+        ranks = self.check_group(group)
+        per_domain: dict[int, list[int]] = {}
+        for r in ranks:
+            per_domain.setdefault(self.domain(r), []).append(r)
+        if len(per_domain) == 1:
+            return Where(f"inside one NVLink domain of {self.gpus_per_domain} GPUs", True, self.nvlink_bandwidth, 2)
+        counts = sorted({len(m) for m in per_domain.values()})
+        spread = f"across {len(per_domain)} NVLink domains ({'-'.join(map(str, counts))} of the group in each)"
+        # two members in different domains meet at their leaf if they share one, else through the spine: with
+        # members in two domains or more, some such pair is on different leaves as soon as the group is
+        if len({self.leaf(r) for r in ranks}) > 1:
+            return Where(spread + ", through the spine", False, min(self.nic_bandwidth, self.uplink_bandwidth), 4)
+        return Where(spread + ", under one leaf switch", False, self.nic_bandwidth, 2)
+
+    def levels(self) -> list[tuple[str, int]]:
+        return [("NVLink domain", self.gpus_per_domain), ("across domains", self.domains)]
+
 
 @dataclass(kw_only=True)
 class Torus(Topology):
@@ -198,19 +238,56 @@ class Torus(Topology):
                 here = nxt
         return out
 
-    def axes(self, group: Sequence[int]) -> tuple[int, ...]:
-        """The axes a group spans whole (a sub-torus: full rings on those axes, the others fixed), or ValueError."""
+    def box(self, group: Sequence[int]) -> dict[int, int]:
+        """The group's extent on each axis it spans, if it is a box: on every axis either the whole ring or a run of
+        m neighbouring chips short enough that every route between two of them stays inside the run (2(m-1) < k:
+        no pair is half-way round, so dimension-order routing never leaves it); the other axes fixed. A group that
+        spans whole rings only is a sub-torus. ValueError for any other group."""
         ranks = self.check_group(group)
         coords = [self.coords(r) for r in ranks]
-        free = tuple(ax for ax in range(len(self.shape)) if len({c[ax] for c in coords}) > 1)
-        if len(ranks) != prod(self.shape[ax] for ax in free) or any(
-            len({c[ax] for c in coords}) != self.shape[ax] for ax in free
-        ):
+        extents = {}
+        for axis, k in enumerate(self.shape):
+            held = {c[axis] for c in coords}
+            if len(held) > 1:
+                m = len(held)
+                run = any(held == {(s + i) % k for i in range(m)} for s in held)
+                if m < k and not (run and 2 * (m - 1) < k):
+                    raise ValueError(
+                        f"group {ranks[:8]}{'...' if len(ranks) > 8 else ''} is not a box of {self.name}: on axis "
+                        f"{axis} it holds {sorted(held)[:8]}, neither the whole ring of {k} nor a run of fewer than "
+                        f"{k // 2 + 1} neighbours; place it on whole rings or short runs"
+                    )
+                extents[axis] = m
+        if len(ranks) != prod(extents.values()):
             raise ValueError(
-                f"group {ranks[:8]}{'...' if len(ranks) > 8 else ''} is not a sub-torus of {self.name}: "
-                "take whole rings along some axes and fix the others"
+                f"group {ranks[:8]}{'...' if len(ranks) > 8 else ''} is not a box of {self.name}: it has "
+                f"{len(ranks)} chips, not the {prod(extents.values())} of its extents {extents}; take every chip "
+                "of the rings and runs it spans"
             )
-        return free
+        return extents
+
+    def where(self, group: Sequence[int]) -> Where:
+        ranks = self.check_group(group)
+        try:
+            extents = self.box(ranks)
+        except ValueError:
+            extents = None
+        coords = [self.coords(r) for r in ranks]
+        hops = 0
+        for axis, k in enumerate(self.shape):
+            held = sorted({c[axis] for c in coords})
+            hops += max((min((b - a) % k, (a - b) % k) for a in held for b in held), default=0)
+        if extents is None:
+            return Where(f"{len(ranks)} chips, not a box of neighbours", False, self.link_bandwidth, hops)
+        if not extents:
+            return Where("one chip", True, float("inf"), 0)
+        rings = [
+            f"{'a ring of' if m == self.shape[a] else 'a run of'} {m} on axis {a}" for a, m in sorted(extents.items())
+        ]
+        return Where("a box of neighbouring chips: " + " x ".join(rings), True, self.link_bandwidth, hops)
+
+    def levels(self) -> list[tuple[str, int]]:
+        return [(f"torus axis {axis}", self.shape[axis]) for axis in reversed(range(len(self.shape)))]
 
 
 def two_level(profile: HardwareProfile, nodes: int) -> FatTree:

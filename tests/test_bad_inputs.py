@@ -116,6 +116,8 @@ BAD = (
         (["run", "dp", "--hardware", "h100", "--topology", "tpu-v5p", "--algorithm", "hierarchical"], "on a FatTree"),
         (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--algorithm", "mesh"], "invalid choice"),
         (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--gpus-per-node", "2"], "drop gpus_per"),
+        (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "dp/xp"], "unknown axes"),
+        (["run", "dp", "--hardware", "h100", "--placement", "dp"], "a placement puts the mesh's axes on a topology"),
         (["run", "dp", "--backend", "mpi"], "invalid choice: 'mpi'"),
         (["run", "dp", "--backend", "nccl"], "needs one CUDA device per rank"),
         (["run", "dp", "--dtype", "float16"], "invalid choice: 'float16'"),

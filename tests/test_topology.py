@@ -22,6 +22,9 @@ CUBE = topology.tpu_v5p((4, 4, 4))
 SLAB = topology.tpu_v5p((2, 4, 4))  # an axis of two: one cable between the pair
 AXIS = [CUBE.gpu((x, 1, 2)) for x in range(4)]
 PLANE = [CUBE.gpu((x, y, 3)) for x in range(4) for y in range(4)]
+BOX = [CUBE.gpu((2, y, z)) for y in (3, 0) for z in range(4)]  # a ring of 4 by a pair across the wrap
+LONG = topology.tpu_v5p((4, 8, 8))
+RUN = [LONG.gpu((1, y, z)) for y in (7, 0, 1) for z in (6, 7, 0)]  # runs of 3 on two rings of 8, across the wraps
 
 SHAPES = {
     "in a node": (SUPERPOD, list(range(8))),
@@ -34,15 +37,18 @@ SHAPES = {
     "2D torus": (CUBE, PLANE),
     "3D torus": (CUBE, list(range(64))),
     "2x4x4 torus": (SLAB, list(range(32))),
+    "torus box 2x4": (CUBE, BOX),
+    "torus runs 3x3": (LONG, RUN),
 }
 CASES = [
     ("all_reduce", "ring", ["in a node", "across nodes (rails)", "2:1 fat-tree", "two NVL72 racks", "torus axis"]),
+    ("all_reduce", "ring", ["torus box 2x4"]),
     ("all_gather", "ring", ["across nodes (rails)", "2D torus"]),
     ("reduce_scatter", "ring", ["two-level h100"]),
     ("all_reduce", "tree", ["in a node", "across nodes (rails)", "2:1 fat-tree", "3D torus"]),
     ("broadcast", "tree", ["half of each node", "two NVL72 racks", "2D torus"]),
     ("all_reduce", "hierarchical", ["across nodes (rails)", "half of each node", "2:1 fat-tree", "two NVL72 racks"]),
-    ("all_reduce", "torus", ["torus axis", "2D torus", "3D torus", "2x4x4 torus"]),
+    ("all_reduce", "torus", ["torus axis", "2D torus", "3D torus", "2x4x4 torus", "torus box 2x4"]),
     ("reduce_scatter", "torus", ["3D torus", "2x4x4 torus"]),
     ("all_gather", "torus", ["2D torus", "2x4x4 torus"]),
     ("all_to_all", "all_to_all", list(SHAPES)),
@@ -180,11 +186,12 @@ def test_every_profile_cites_each_of_its_figures(name):
         (lambda: collectives.choose(CUBE, "all_reduce", [0, 64], 1e6), "do not fit"),
         (lambda: collectives.cost(SUPERPOD, "all_reduce", "bogus", [0, 1], 1e6), "unknown algorithm 'bogus'"),
         (lambda: collectives.cost(SUPERPOD, "all_reduce", "torus", [0, 1], 1e6), "needs a Torus"),
-        (lambda: collectives.cost(CUBE, "all_reduce", "torus", [0, 1, 5], 1e6), "not a sub-torus"),
+        (lambda: collectives.cost(CUBE, "all_reduce", "torus", [0, 1, 5], 1e6), "not the 4 of its extents"),
+        (lambda: collectives.cost(CUBE, "all_reduce", "torus", [0, 1, 2, 4, 5, 6], 1e6), "neither the whole ring"),
+        (lambda: collectives.cost(LONG, "all_reduce", "torus", RUN, 1e6), "needs whole rings \\(or pairs\\)"),
         (lambda: collectives.cost(SUPERPOD, "all_reduce", "hierarchical", [0, 1, 8], 1e6), "same number of ranks"),
         (lambda: collectives.cost(SUPERPOD, "all_to_all", "ring", [0, 1], 1e6), "for all_to_all choose one of"),
         (lambda: collectives.cost(SUPERPOD, "gossip", "ring", [0, 1], 1e6), "unknown collective"),
-        (lambda: collectives.choose(CUBE, "all_to_all", [0, 1, 5], 1e6), "no algorithm can run all_to_all here"),
         (lambda: topology.get_topology("dragonfly"), "unknown topology"),
         (lambda: topology.h100_superpod(nodes=40), "do not fill leaves"),
     ],

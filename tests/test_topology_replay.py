@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import collectives, topology
+from course_lib import collectives, placement, topology
 from course_lib.comm import CommRecord
 from course_lib.hardware import PROFILES, replay
 from course_lib.models import GPTConfig, TrainConfig
@@ -22,8 +22,11 @@ CUBE = topology.tpu_v5p((4, 4, 4))
 
 @pytest.fixture(scope="module")
 def sp_run():
-    """``sp`` (TP 4 with sequence parallelism), one step, replayed by run_scheme on the H100 SuperPOD."""
-    return run_scheme("sp", 4, GPTConfig(), TrainConfig(steps=1), hardware="h100", topology="h100-superpod")
+    """``sp`` (TP 4 with sequence parallelism), one step, replayed by run_scheme on the H100 SuperPOD, its TP axis
+    placed on the first level (an NVLink domain), as by default."""
+    return run_scheme(
+        "sp", 4, GPTConfig(), TrainConfig(steps=1), hardware="h100", topology="h100-superpod", placement="tp"
+    )
 
 
 def test_run_scheme_times_every_collective_of_the_step_on_the_topology_and_reports_the_algorithms(sp_run):
@@ -60,8 +63,13 @@ def test_the_ring_on_the_two_level_topology_is_todays_clock(sp_run, per_node):
 
 def test_tensor_parallelism_spread_over_nodes_is_slower_and_the_links_say_why(sp_run):
     programs, records = sp_run.result.programs, sp_run.result.comm
+    coords = [rank["coords"] for rank in sp_run.report["ranks"]]
+    assert placement.gpus_for(coords, SUPERPOD, "/tp") == [0, 8, 16, 24]  # TP on the second level: across nodes
     packed = replay(programs, records, "h100", topology=SUPERPOD, gpus=[0, 1, 2, 3])
     spread = replay(programs, records, "h100", topology=SUPERPOD, gpus=[0, 8, 16, 24])  # GPU 0 of four nodes
+    assert sp_run.report["modeled"]["placement"]["world"]["what"] == "inside one NVLink domain of 8 GPUs"
+    assert spread.placement["world"].what == "across 4 NVLink domains (1 of the group in each), under one leaf switch"
+    assert spread.placement["world"].slowest_link == SUPERPOD.nic_bandwidth
     assert packed.step_time_s == pytest.approx(sp_run.modeled.step_time_s, rel=1e-12)  # the default placement
     assert spread.step_time_s > 2 * packed.step_time_s
     assert spread.summary()["compute_s"] == pytest.approx(packed.summary()["compute_s"], rel=1e-12)
@@ -146,7 +154,6 @@ def test_a_message_pays_its_route_and_a_barrier_is_an_empty_all_reduce():
         ({"topology": SUPERPOD, "algorithm": "torus"}, "the torus algorithm runs on a Torus"),
         ({"topology": CUBE, "algorithm": "hierarchical"}, "the hierarchical algorithm runs on a FatTree"),
         ({"gpus": [0, 1, 2, 3]}, "give a topology too"),
-        ({"topology": CUBE, "gpus": [0, 1, 2, 4]}, "not a sub-torus"),  # an all-to-all needs whole rings
     ],
 )
 def test_bad_settings_are_one_line_before_replaying(kwargs, message):
@@ -168,9 +175,11 @@ def test_the_command_line_passes_the_topology_through_and_prints_the_algorithms(
 
     monkeypatch.setattr(schemes, "run_scheme", recorded)
     argv = ["run", "sp", "--steps", "1", "--hardware", "h100", "--topology", "h100-superpod", "--algorithm", "ring"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--placement", "tp"]) == 0
     assert (given["hardware"], given["topology"], given["algorithm"]) == ("h100", "h100-superpod", "ring")
+    assert given["placement"] == "tp"
     out = capsys.readouterr().out
+    assert "    world groups: inside one NVLink domain of 8 GPUs; slowest link 450 GB/s, up to 2 hops" in out
     assert "modeled on h100's compute, h100-superpod x4's links, last step:" in out
     for op, used in sp_run.modeled.algorithms.items():
         assert f"    {op}: " + ", ".join(f"{a} x{n}" for a, n in used.items()) in out

@@ -193,7 +193,10 @@ def test_every_profile_cites_each_of_its_figures(name):
         (lambda: collectives.cost(SUPERPOD, "all_to_all", "ring", [0, 1], 1e6), "for all_to_all choose one of"),
         (lambda: collectives.cost(SUPERPOD, "gossip", "ring", [0, 1], 1e6), "unknown collective"),
         (lambda: topology.get_topology("dragonfly"), "unknown topology"),
-        (lambda: topology.h100_superpod(nodes=40), "do not fill leaves"),
+        (
+            lambda: FatTree(**{**SUPERPOD.figures, "name": "f", "domains": 5, "domains_per_leaf": 2}),
+            "do not fill leaves",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(call, message):

@@ -39,6 +39,8 @@ SHAPES = {
     "2x4x4 torus": (SLAB, list(range(32))),
     "torus box 2x4": (CUBE, BOX),
     "torus runs 3x3": (LONG, RUN),
+    "scattered chips": (CUBE, [0, 2, 8, 10, 21, 42, 63]),  # not a box: the all-to-all counted link by link
+    "scattered on 4x8x8": (LONG, [LONG.gpu((x, 2 * y, (3 * y + x) % 8)) for x in range(4) for y in range(4)]),
 }
 CASES = [
     ("all_reduce", "ring", ["in a node", "across nodes (rails)", "2:1 fat-tree", "two NVL72 racks", "torus axis"]),

@@ -717,11 +717,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.global_batch,
             args.micro_batch,
             no_model_parallel=args.no_model_parallel,
+            topology=args.topology,
         )
     except ValueError as err:
         raise SystemExit(f"plan: {err}") from None
     _write_json(result.as_dict(), args.json)
-    _say_model(args, model, result.gpus, result.gpus_per_node, result.hardware, result.gpu_mem_bytes)
+    _say_model(args, model, result.gpus, result.gpus_per_node, result.hardware, result.gpu_mem_bytes, result.topology)
     _say(
         args,
         f"  choice: {describe(result)}, {result.microbatches} microbatches of {result.micro_batch} per DP rank"
@@ -748,13 +749,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _say_model(args, model, gpus: int, per_node: int, hardware: str, gpu_mem: float) -> None:
+def _say_model(
+    args, model, gpus: int, per_node: int, hardware: str, gpu_mem: float, topology: str | None = None
+) -> None:
     nodes = -(-gpus // per_node)
+    where = (
+        f"{topology}'s links, {hardware}'s compute"
+        if topology
+        else f"{nodes} node{'s' * (nodes > 1)} of {per_node}, {hardware}"
+    )
     _say(
         args,
         f"{model.name}: {model.params / 1e9:.1f}B parameters"
         + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
-        + f" on {gpus} GPUs ({nodes} node{'s' * (nodes > 1)} of {per_node}, {hardware}, {gpu_mem / 1e9:g} GB each)",
+        + f" on {gpus} GPUs ({where}, {gpu_mem / 1e9:g} GB each)",
     )
 
 
@@ -785,11 +793,12 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
         gpu_mem_bytes=args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
         attention=args.attention or "flash",
         sp=False if args.no_sp else None,
+        topology=args.topology,
     )
     gpu_mem = args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else profile.memory_bytes
     per_node = args.gpus_per_node or profile.gpus_per_node
     _write_json({"model": model.name, "gpus": args.gpus, "hardware": profile.name, **asdict(c)}, args.json)
-    _say_model(args, model, args.gpus, per_node, profile.name, gpu_mem)
+    _say_model(args, model, args.gpus, per_node, profile.name, gpu_mem, args.topology)
     _say(
         args,
         f"  layout: {describe(c)}; {c.microbatches} microbatches of {args.micro_batch} per DP rank, "
@@ -808,6 +817,12 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
         f"({c.bubble_fraction:.1%} of the pipeline's time), exposed TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} "
         f"s, CP {t['cp_comm_exposed_s']:.3g} s, EP {t['ep_comm_s']:.3g} s, DP {t['dp_comm_exposed_s']:.3g} s",
     )
+    for axis, g in c.placement.items():
+        if "where" in g:  # on a topology
+            _say(
+                args,
+                f"  {axis.upper()} {g['size']} sits {g['where']} ({g['bandwidth'] / 1e9:g} GB/s, {g['hops']} hops)",
+            )
     peak = profile.peak_flops[PEAK["mixed"]] / 1e12
     _say(
         args,
@@ -1095,6 +1110,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the hardware profile's")
     pl.add_argument("--gpu-mem-gb", type=_positive_float, help="memory per GPU (default: the hardware profile's)")
     pl.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
+    pl.add_argument(
+        "--topology",
+        metavar="NAME[:SIZE]",
+        help="time the traffic on this topology's links (h100-superpod, gb200-nvl72, tpu-v5p, ethernet-2to1, "
+        "h100-two-level), sized to --gpus unless SIZE is given; compute and memory stay --hardware's",
+    )
     pl.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the preset's, else 1024)")
     pl.add_argument("--micro-batch", type=_positive_int, default=1)
     pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")

@@ -50,6 +50,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil, log2
 
+import numpy as np
+
 from course_lib.topology import FatTree, Topology, Torus
 
 ALGORITHMS = {
@@ -193,15 +195,48 @@ def _torus_all_to_all(topology: Torus, group: Sequence[int], nbytes: float) -> f
     try:
         extents = topology.box(group)
     except ValueError:  # scattered chips: no closed form; the link-level simulation counts every route's sharing
-        from course_lib import linksim
-
-        return linksim.simulate(topology, linksim.all_to_all_steps(list(group), nbytes))
+        return _scattered(topology, group, nbytes)
     hops, load = 0, 0.0
     for axis, m in extents.items():
         far = topology.shape[axis] // 2 if m == topology.shape[axis] else m - 1
         line = far * (far + 1) / 2 if m == topology.shape[axis] else (m // 2) * ((m + 1) // 2)
         hops, load = hops + far, max(load, line * n / m)
     return hops * topology.hop_latency + nbytes / n * load / topology.link_bandwidth
+
+
+def _scattered(topology: Torus, group: Sequence[int], nbytes: float) -> float:
+    """An all-to-all over chips that are not a box: every message routed dimension by dimension (ties the positive
+    way), each link's messages counted, each message at its busiest link's share plus its hops' latency; the
+    slowest message is the time. Counted with array arithmetic, axis by axis and hop by hop (what
+    :func:`course_lib.linksim.simulate` does message by message, and is tested against)."""
+    shape = np.array(topology.shape)
+    coords = np.array([topology.coords(g) for g in group])
+    n = len(group)
+    src, dst = np.divmod(np.arange(n * n), n)
+    src, dst = coords[src[src != dst]], coords[dst[src != dst]]
+    hops = np.zeros(len(src), dtype=int)
+    legs = []  # per axis: (load per link, the message's line, direction, start, length)
+    for axis, k in enumerate(topology.shape):
+        here = np.concatenate([dst[:, :axis], src[:, axis:]], axis=1)  # earlier axes already done
+        ahead = (dst[:, axis] - src[:, axis]) % k
+        forward = ahead <= k // 2
+        length = np.where(forward, ahead, k - ahead)
+        others = np.delete(here, axis, axis=1)
+        line = np.ravel_multi_index(others.T, np.delete(shape, axis)) if others.shape[1] else np.zeros_like(ahead)
+        load = np.zeros((int(np.prod(np.delete(shape, axis))), 2, k), dtype=int)  # link p -> p +- 1, by p
+        for step in range(int(length.max(initial=0))):
+            on = length > step
+            at = (src[on, axis] + np.where(forward[on], step, -step)) % k
+            np.add.at(load, (line[on], (~forward[on]).astype(int), at), 1)
+        legs.append((load, line, forward, src[:, axis], length))
+        hops += length
+    busiest = np.zeros(len(src), dtype=int)
+    for (load, line, forward, start, length), k in zip(legs, topology.shape, strict=True):
+        for step in range(int(length.max(initial=0))):
+            on = length > step
+            at = (start[on] + np.where(forward[on], step, -step)) % k
+            busiest[on] = np.maximum(busiest[on], load[line[on], (~forward[on]).astype(int), at])
+    return float(np.max(hops * topology.hop_latency + nbytes / n * busiest / topology.link_bandwidth))
 
 
 def _fat_tree_all_to_all(topology: FatTree, group: Sequence[int], nbytes: float) -> float:

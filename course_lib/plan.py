@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from typing import NamedTuple
 
-from course_lib.comm import ring_factor
-from course_lib.hardware import HardwareProfile, collective_time, get_profile, link
+import numpy as np
+
+from course_lib.hardware import HardwareProfile, get_profile
 from course_lib.memory import (
     BYTES_PER_PARAM,
     CATEGORIES,
@@ -46,7 +47,9 @@ from course_lib.memory import (
     params_from_dims,
     transformer_params,
 )
+from course_lib.network import Network
 from course_lib.parallel.schedules import Costs, bubble_formula, bubble_ratio, chunks_per_rank, peak_activations
+from course_lib.topology import Topology, Torus, for_gpus
 
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
 DEFAULT_SEQ = 2048  # GPT-3's context (Brown et al. 2020)
@@ -425,9 +428,11 @@ class Plan(Candidate):
     shape: str = "dp"
     reasons: list[str] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
+    topology: str | None = None  # the topology's name when the traffic was timed on one
+    network: Network | None = field(default=None, repr=False, compare=False)  # what it was timed on
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return asdict(replace(self, network=None))
 
 
 def describe(c: Candidate, zero0: bool = True) -> str:
@@ -518,14 +523,16 @@ def layouts(
     no_mp: bool,
     context: bool = False,
 ) -> list[Layout]:
-    """Every :class:`Layout`: TP inside a node dividing the heads, with ``context`` every CP degree
+    """Every :class:`Layout`: TP inside a node (``gpus_per_node``: the GPUs TP may span, a topology's fast domain)
+    dividing the heads (and the K/V heads, or a multiple of them), with ``context`` every CP degree
     (:func:`cp_degrees`), PP splitting the layers (:func:`splits_layers`), DP the rest, every EP degree
     (:func:`ep_degrees`); the global batch a whole number of micro-batches per DP rank, at least one per stage;
     each pipeline with every schedule it can run (:func:`pipeline_schedules`). ZeRO shards over DP x CP (3, FSDP,
     only without TP and PP). ``no_mp``: TP = CP = PP = EP = 1."""
     out = []
     for tp in _divisors(gpus_per_node):
-        if model.heads % tp or gpus % tp or (no_mp and tp > 1):
+        kv = model.kv_heads or model.heads  # each TP rank holds whole K/V heads, or a copy of one
+        if model.heads % tp or (kv % tp and tp % kv) or gpus % tp or (no_mp and tp > 1):
             continue
         for cp in cp_degrees(model, gpus // tp) if context and not no_mp else [1]:
             for pp in _divisors(gpus // (tp * cp)):
@@ -582,39 +589,31 @@ def interleave_chunks(layers: int, pp: int, microbatches: int) -> list[int]:
 
 
 @cache
-def groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> dict[str, list[int]]:
-    """Rank 0's groups, ranks placed as Llama 3 orders them, TP fastest, then CP, then PP, then DP (§3.3.2):
-    rank = ((d x PP + p) x CP + c) x TP + t. The EP group is the first ``ep`` of stage 0's TP x CP x DP ranks in
+def groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Every group of each axis, rank 0's first, each in increasing rank order, ranks placed as Llama 3 orders
+    them, TP fastest, then CP, then PP, then DP (§3.3.2): rank = ((d x PP + p) x CP + c) x TP + t, as
+    :mod:`course_lib.mesh` numbers them. An EP group is ``ep`` consecutive ranks of a stage's TP x CP x DP ranks in
     that order (Megatron-core's folding of EP into them); ``dp_cp``, the DP x CP ranks that average dense
-    gradients; ``edp``, the expert-data-parallel group, every ``ep``-th of them, holding the same experts."""
+    gradients; ``edp``, the expert-data-parallel groups, every ``ep``-th of a stage's TP x CP x DP ranks, holding
+    the same experts."""
+    ranks = np.arange(dp * pp * cp * tp).reshape(dp, pp, cp, tp)
 
-    def rank(t: int, c: int, p: int, d: int) -> int:
-        return ((d * pp + p) * cp + c) * tp + t
+    def last(*order: int, size: int) -> tuple[tuple[int, ...], ...]:  # the axes in ``order``, the group's last
+        return tuple(map(tuple, ranks.transpose(*order).reshape(-1, size).tolist()))
 
-    def stage0(j: int) -> int:  # the j-th of stage 0's TP x CP x DP ranks
-        return rank(j % tp, j // tp % cp, 0, j // (tp * cp))
-
+    stages = ranks.transpose(1, 0, 2, 3).reshape(pp, -1)  # each stage's TP x CP x DP ranks, t fastest
     return {
-        "tp": [rank(t, 0, 0, 0) for t in range(tp)],
-        "cp": [rank(0, c, 0, 0) for c in range(cp)],
-        "pp": [rank(0, 0, p, 0) for p in range(pp)],
-        "dp": [rank(0, 0, 0, d) for d in range(dp)],
-        "ep": [stage0(j) for j in range(ep)],
-        "dp_cp": [rank(0, c, 0, d) for d in range(dp) for c in range(cp)],
-        "edp": [stage0(j) for j in range(0, tp * cp * dp, ep)],
+        "tp": last(0, 1, 2, 3, size=tp),
+        "cp": last(0, 1, 3, 2, size=cp),
+        "pp": last(0, 2, 3, 1, size=pp),
+        "dp": last(1, 2, 3, 0, size=dp),
+        "dp_cp": last(1, 3, 0, 2, size=dp * cp),
+        "ep": tuple(map(tuple, stages.reshape(-1, ep).tolist())),
+        "edp": tuple(tuple(g) for stage in stages for g in stage.reshape(-1, ep).T.tolist()),
     }
 
 
-def _time_on(profile: HardwareProfile, ranks: list[int], gpus_per_node: int, op: str, size: float) -> float:
-    """:func:`collective_time` of ``op`` on a tensor of ``size`` bytes (comm.py's S) over the group's own link."""
-    bandwidth, latency, _ = link(profile, ranks, gpus_per_node)
-    n = len(ranks)
-    return collective_time(op, ring_factor(op, n) * size, n, bandwidth, latency)
-
-
-def dp_comm_exposed(
-    model: Model, c: Candidate, compute_s: float, profile: HardwareProfile, gpus_per_node: int, precision: str
-) -> float:
+def dp_comm_exposed(model: Model, c: Candidate, compute_s: float, net: Network, precision: str) -> float:
     """Data-parallel traffic left over after overlapping it with compute. Gradients of 2 bytes per parameter
     (mixed): the dense ones divided by TP x PP and reduced over DP x CP, the experts' divided by EP x PP and
     reduced over the expert-data-parallel group (:func:`groups`), one after the other. ZeRO-0 all-reduces them
@@ -630,16 +629,13 @@ def dp_comm_exposed(
             ((model.params - model.expert_params) / (c.tp * c.pp), ranks["dp_cp"]),
             (model.expert_params / (c.ep * c.pp), ranks["edp"]),
         )
-        if shard and len(members) > 1
+        if shard and len(members[0]) > 1
     ]
     if not parts:
         return 0.0
 
     def ring(op: str, kind: str) -> float:
-        return sum(
-            _time_on(profile, members, gpus_per_node, op, BYTES_PER_PARAM[precision][kind] * shard)
-            for shard, members in parts
-        )
+        return sum(net.time(op, members, BYTES_PER_PARAM[precision][kind] * shard) for shard, members in parts)
 
     backward = 2 / 3 * compute_s  # backward = 2 x forward (Kaplan et al. 2020: 6N = 2N forward + 4N backward)
     if c.zero == 0:
@@ -776,7 +772,7 @@ def schedule_costs(recompute: str) -> Costs:
     return Costs(1.0, 1.0 + RECOMPUTE_PASSES[recompute], 1.0)
 
 
-def tp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+def tp_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:
     """TP's collectives on the slowest stage, not overlapped (``TIME_MODEL_ASSUMPTIONS``): per layer and
     microbatch 4 all-reduces of b x s/cp x h 16-bit values (2 forward, 2 backward; with sequence parallelism
     all-gathers and reduce-scatters of the same bytes), 2 more when full recompute runs the forward again, on the
@@ -784,11 +780,11 @@ def tp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfi
     if c.tp == 1:
         return 0.0
     size = 2 * micro_batch * model.seq / c.cp * model.hidden
-    one = _time_on(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["tp"], gpus_per_node, "all_reduce", size)
+    one = net.time("all_reduce", groups(c.tp, c.pp, c.dp, c.cp, c.ep)["tp"], size)
     return (4 + 2 * RECOMPUTE_PASSES[c.recompute]) * stage_layers(model, c.pp)[0] * c.microbatches * one
 
 
-def pp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+def pp_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:
     """Point-to-point traffic, not overlapped: per microbatch and model chunk an activation forward and its
     gradient back, each b x s/cp x h / t 16-bit values (scatter/gather, Narayanan et al. 2021, §4.1; sequence
     parallelism splits them the same way); the interleaved schedule sends v times as many (§2.2.2), a V (ZB-V,
@@ -796,7 +792,7 @@ def pp_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfi
     if c.pp == 1:
         return 0.0
     size = 2 * micro_batch * model.seq / c.cp * model.hidden / c.tp
-    one = _time_on(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["pp"], gpus_per_node, "send", size)
+    one = net.time("send", groups(c.tp, c.pp, c.dp, c.cp, c.ep)["pp"], size)
     return 2 * chunks_per_rank(c.schedule, c.chunks) * c.microbatches * one
 
 
@@ -806,9 +802,7 @@ def _kv_width(model: Model, tp: int) -> float:
     return max(kv_heads / tp, 1) * model.hidden / model.heads
 
 
-def cp_comm_exposed(
-    model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int, precision: str
-) -> float:
+def cp_comm_exposed(model: Model, c: Candidate, micro_batch: int, net: Network, precision: str) -> float:
     """Ring attention's traffic not hidden behind attention compute (Liu et al. 2023, ring attention, §3).
 
     Each of the cp ranks holds s/cp tokens; in the forward its K and V blocks (b x s/cp x its K/V width, 16-bit)
@@ -822,14 +816,14 @@ def cp_comm_exposed(
     if c.cp == 1:
         return 0.0
     block = micro_batch * model.seq / c.cp
-    bandwidth, latency, _ = link(profile, groups(c.tp, c.pp, c.dp, c.cp, c.ep)["cp"], gpus_per_node)
-    comm = collective_time("send", 2 * 2 * block * _kv_width(model, c.tp), 2, bandwidth, latency)
-    rate = _rate(profile, precision, _attention_efficiency(profile, c.attention))
+    rings = tuple(g + g[:1] for g in groups(c.tp, c.pp, c.dp, c.cp, c.ep)["cp"])  # each rank sends to the next
+    comm = net.time("send", rings, 2 * 2 * block * _kv_width(model, c.tp))
+    rate = _rate(net.profile, precision, _attention_efficiency(net.profile, c.attention))
     compute = 2 * block * model.seq / c.cp * model.hidden / c.tp / rate
     return model.layers / c.pp * c.microbatches * 3 * (c.cp - 1) * max(0.0, comm - compute)
 
 
-def ep_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:
     """Expert parallelism's all-to-alls, not overlapped (1F1B; DeepSeek-V3's DualPipe hides them behind another
     microbatch's compute, §3.2.1). Per MoE layer and microbatch four: dispatch and combine, forward and
     backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2). A rank's tokens
@@ -840,13 +834,11 @@ def ep_comm(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfi
         return 0.0
     tokens = micro_batch * model.seq / (c.cp * c.tp)
     ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"]
-    one = _time_on(profile, ranks, gpus_per_node, "all_to_all", 2 * tokens * model.experts.top_k * model.hidden)
+    one = net.time("all_to_all", ranks, 2 * tokens * model.experts.top_k * model.hidden)
     return 4 * model.moe_layers / c.pp * c.microbatches * one
 
 
-def step_time(
-    model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, gpus_per_node: int, precision: str
-) -> dict[str, float]:
+def step_time(model: Model, c: Candidate, micro_batch: int, net: Network, precision: str) -> dict[str, float]:
     """Time per step, in seconds, by part (the assumptions: ``course_lib.hardware.TIME_MODEL_ASSUMPTIONS``):
 
     * compute: the microbatches through the slowest stage (:func:`stage_seconds`);
@@ -857,40 +849,38 @@ def step_time(
     * PP: :func:`pp_comm`;
     * DP: what :func:`dp_comm_exposed` leaves exposed.
     """
-    compute = c.microbatches * stage_seconds(model, c, micro_batch, profile, precision)
+    compute = c.microbatches * stage_seconds(model, c, micro_batch, net.profile, precision)
     parts = {
         "compute_s": compute,
-        "tp_comm_s": tp_comm(model, c, micro_batch, profile, gpus_per_node),
-        "cp_comm_exposed_s": cp_comm_exposed(model, c, micro_batch, profile, gpus_per_node, precision),
-        "ep_comm_s": ep_comm(model, c, micro_batch, profile, gpus_per_node),
+        "tp_comm_s": tp_comm(model, c, micro_batch, net),
+        "cp_comm_exposed_s": cp_comm_exposed(model, c, micro_batch, net, precision),
+        "ep_comm_s": ep_comm(model, c, micro_batch, net),
     }
     ratio = bubble_ratio(c.schedule, c.pp, c.microbatches, c.chunks, schedule_costs(c.recompute))
     parts["bubble_s"] = ratio * sum(parts.values())
-    parts["pp_comm_s"] = pp_comm(model, c, micro_batch, profile, gpus_per_node)
-    parts["dp_comm_exposed_s"] = dp_comm_exposed(model, c, compute, profile, gpus_per_node, precision)
+    parts["pp_comm_s"] = pp_comm(model, c, micro_batch, net)
+    parts["dp_comm_exposed_s"] = dp_comm_exposed(model, c, compute, net, precision)
     return parts
 
 
 AXES = ("tp", "cp", "pp", "dp", "ep")
 
 
-def placement(c: Candidate, profile: HardwareProfile, gpus_per_node: int) -> dict[str, dict]:
-    """For each group of more than one GPU: its size, whether it spans nodes and its link's bandwidth per GPU."""
-    out = {}
-    for axis, ranks in groups(c.tp, c.pp, c.dp, c.cp, c.ep).items():
-        if axis in AXES and len(ranks) > 1:
-            bandwidth, _, spans = link(profile, ranks, gpus_per_node)
-            out[axis] = {"size": len(ranks), "spans_nodes": spans, "bandwidth": bandwidth}
-    return out
+def placement(c: Candidate, net: Network) -> dict[str, dict]:
+    """For each axis of groups of more than one GPU, where they sit (:meth:`course_lib.network.Network.where`)."""
+    return {
+        axis: net.where(ranks)
+        for axis, ranks in groups(c.tp, c.pp, c.dp, c.cp, c.ep).items()
+        if axis in AXES and len(ranks[0]) > 1
+    }
 
 
 def evaluate(
     model: Model,
     layout: Layout | tuple,
     gpus: int,
-    gpus_per_node: int,
+    net: Network,
     gpu_mem: float,
-    profile: HardwareProfile,
     global_batch: int,
     micro_batch: int,
     precision: str,
@@ -923,10 +913,10 @@ def evaluate(
     c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
     c.cp, c.ep, c.schedule, c.chunks, c.attention, c.sp = cp, ep, schedule, chunks, attention, sp
     c.bubble_fraction = bubble_formula(schedule, pp, m, chunks, schedule_costs(recompute)) if pp > 1 else 0.0
-    c.time = step_time(model, c, micro_batch, profile, gpus_per_node, precision)
+    c.time = step_time(model, c, micro_batch, net, precision)
     c.step_time_s = sum(c.time.values())
-    _throughput(model, c, gpus, global_batch, profile, precision)
-    c.placement = placement(c, profile, gpus_per_node)
+    _throughput(model, c, gpus, global_batch, net.profile, precision)
+    c.placement = placement(c, net)
     return c
 
 
@@ -975,6 +965,19 @@ def _check(gpus: int, gpus_per_node: int, global_batch: int, micro_batch: int, p
         raise ValueError(f"precision must be one of {sorted(PEAK)}, not {precision!r}")
 
 
+def network(profile: HardwareProfile, gpus: int, gpus_per_node: int | None, topology: str | Topology | None) -> Network:
+    """The :class:`course_lib.network.Network` a plan is timed on: the profile's nodes (of ``gpus_per_node``),
+    or ``topology`` sized to ``gpus`` (:func:`course_lib.topology.for_gpus`); not both."""
+    if topology is None:
+        return Network(profile, gpus_per_node or profile.gpus_per_node)
+    if gpus_per_node is not None:
+        raise ValueError("a topology says which GPUs share a node; drop gpus_per_node")
+    topo = for_gpus(topology, gpus) if isinstance(topology, str) else topology
+    if topo.n_gpus != gpus:
+        raise ValueError(f"{topo.name} has {topo.n_gpus} GPUs, not the plan's {gpus}; give a topology of {gpus}")
+    return Network(profile, getattr(topo, "gpus_per_domain", topo.n_gpus), topo)
+
+
 def _as_model(model: Model | str | float) -> Model:
     if isinstance(model, Model):
         return model
@@ -991,20 +994,23 @@ def plan(
     micro_batch: int = 1,
     precision: str = "mixed",
     no_model_parallel: bool = False,
+    topology: str | Topology | None = None,
 ) -> Plan:
     """Plan ``model`` (a :class:`Model`, a preset name or a parameter count) on ``gpus`` GPUs. GPUs per node and
     memory default to the ``hardware`` profile's; the global batch (sequences) to the preset's published one, else
     ``DEFAULT_GLOBAL_BATCH``. Selective recompute is used only if nothing fits without it, context parallelism only
-    if nothing fits without it even with selective recompute (:func:`_tries`)."""
+    if nothing fits without it even with selective recompute (:func:`_tries`). With ``topology`` (a profile name
+    of :mod:`course_lib.topology`, sized to the GPUs unless given ``NAME:SIZE``, or a Topology of ``gpus`` GPUs)
+    the traffic is timed on its links (:mod:`course_lib.network`), TP may grow to its fast domain (an NVL72 rack,
+    a whole torus) and the reasons say where each group sits; compute and memory stay the hardware profile's."""
     model = _as_model(model)
     profile = get_profile(hardware)
-    per_node = gpus_per_node or profile.gpus_per_node
+    net = network(profile, gpus, gpus_per_node, topology)
+    per_node = net.domain
     gpu_mem = gpu_mem_bytes or profile.memory_bytes
     batch = global_batch or model.global_batch or DEFAULT_GLOBAL_BATCH
     _check(gpus, per_node, batch, micro_batch, precision)
-    tries, without_cp = _tries(
-        model, gpus, per_node, gpu_mem, profile, batch, micro_batch, precision, no_model_parallel
-    )
+    tries, without_cp = _tries(model, gpus, net, gpu_mem, batch, micro_batch, precision, no_model_parallel)
     ranked = tries[-1]
     shape = tree_shape(model, gpus, per_node, gpu_mem, precision, no_model_parallel)
     chosen, tree_best = _choose(ranked, shape, per_node)
@@ -1020,6 +1026,8 @@ def plan(
         precision=precision,
         shape=shape,
         candidates=ranked,
+        topology=net.topology.name if net.topology else None,
+        network=net,
     )
     result.reasons = explain(result, profile, tree_best, tries[0][0], without_cp)
     return result
@@ -1046,15 +1054,18 @@ def evaluate_layout(
     precision: str = "mixed",
     attention: str = "flash",
     sp: bool | None = None,
+    topology: str | Topology | None = None,
 ) -> Candidate:
     """One given layout of ``model`` (a :class:`Model`, a preset name or a parameter count) on ``gpus`` GPUs, as
     the planner evaluates its own (:func:`evaluate`): memory, step time and its parts, FLOPs, TFLOP/s per GPU and
     MFU. DP defaults to the GPUs the other axes leave, the global batch to the model's published one (else
     ``DEFAULT_GLOBAL_BATCH``), ZeRO to the lowest stage that fits (the lowest of all if none does), SP to TP > 1.
-    A layout that cannot run raises ValueError saying how to fix it (:func:`check_layout`)."""
+    A layout that cannot run raises ValueError saying how to fix it (:func:`check_layout`). ``topology``: as
+    for :func:`plan`."""
     model = _as_model(model)
     profile = get_profile(hardware)
-    per_node = gpus_per_node or profile.gpus_per_node
+    net = network(profile, gpus, gpus_per_node, topology)
+    per_node = net.domain
     batch = global_batch or model.global_batch or DEFAULT_GLOBAL_BATCH
     _check(gpus, per_node, batch, micro_batch, precision)
     dp = dp if dp is not None else max(1, gpus // (tp * cp * pp))
@@ -1066,9 +1077,8 @@ def evaluate_layout(
             model,
             Layout(tp, pp, dp, z, m, cp, ep, schedule, chunks),
             gpus,
-            per_node,
+            net,
             gpu_mem_bytes or profile.memory_bytes,
-            profile,
             batch,
             micro_batch,
             precision,
@@ -1195,9 +1205,8 @@ def _check_schedule(model: Model, pp: int, dp: int, m: int, schedule: str, chunk
 def _tries(
     model: Model,
     gpus: int,
-    per_node: int,
+    net: Network,
     gpu_mem: float,
-    profile: HardwareProfile,
     batch: int,
     micro_batch: int,
     precision: str,
@@ -1208,9 +1217,9 @@ def _tries(
     was needed, the last try without it (empty: no layout without CP splits the batch)."""
     tries: list[list[Candidate]] = []
     for context in (False, True):
-        shapes = layouts(model, gpus, per_node, batch, micro_batch, no_mp, context)
+        shapes = layouts(model, gpus, net.domain, batch, micro_batch, no_mp, context)
         for recompute in ("none", "selective") if shapes else ():
-            args = (gpus, per_node, gpu_mem, profile, batch, micro_batch, precision, recompute)
+            args = (gpus, net, gpu_mem, batch, micro_batch, precision, recompute)
             tries.append(_rank([evaluate(model, layout, *args) for layout in shapes]))
             if tries[-1][0].fits:
                 return tries, (tries[-3] if len(tries) > 2 else []) if context else None
@@ -1367,13 +1376,41 @@ def _memory_reason(p: Plan) -> str:
 
 def _placement_reasons(p: Plan) -> list[str]:
     names = {"tp": "TP group", "cp": "CP ring", "pp": "pipeline", "dp": "DP group", "ep": "EP group (all-to-all)"}
-    out = []
+    out = [] if p.network.topology is None else [_topology_reason(p)]
     for axis, g in p.placement.items():
-        where = "spans nodes" if g["spans_nodes"] else "sits inside a node"
-        out.append(f"The {names[axis]} of {g['size']} {where} ({g['bandwidth'] / 1e9:g} GB/s per GPU).")
-    if not out:
+        where = "sits " + g["where"] if "where" in g else "spans nodes" if g["spans_nodes"] else "sits inside a node"
+        hops = f", up to {g['hops']} hops" if "hops" in g else ""
+        out.append(f"The {names[axis]} of {g['size']} {where} ({g['bandwidth'] / 1e9:g} GB/s per GPU{hops}).")
+    if not p.placement:
         out.append("One GPU: no group, no traffic.")
     return out
+
+
+def _topology_reason(p: Plan) -> str:
+    """What the topology lets the layout do, and which of its axes the fast links carry (issue 22)."""
+    topo = p.network.topology
+    fast = [f"{axis.upper()} {g['size']}" for axis, g in p.placement.items() if not g["spans_nodes"]]
+    slow = [f"{axis.upper()} {g['size']}" for axis, g in p.placement.items() if g["spans_nodes"]]
+    kv = p.model.kv_heads or p.model.heads
+    degrees = [t for t in _divisors(p.network.domain) if not p.model.heads % t and not (kv % t and t % kv)]
+    if isinstance(topo, Torus):
+        links = (
+            f"a {'x'.join(map(str, topo.shape))} torus, every chip on {topo.link_bandwidth / 1e9:g} GB/s links to "
+            f"its neighbours ({topo.hop_latency * 1e6:g} us a hop), no slower network inside it"
+        )
+        fast_place, slow_place = "a box of neighbouring chips", "scattered, more hops apart"
+    else:
+        links = (
+            f"NVLink domains of {topo.gpus_per_domain} GPUs at {topo.nvlink_bandwidth / 1e9:g} GB/s per GPU each way, "
+            f"{topo.nic_bandwidth / 1e9:g} GB/s NICs between them"
+            + (f", {topo.oversubscription:g}:1 oversubscribed above the leaves" if topo.oversubscription > 1 else "")
+        )
+        fast_place, slow_place = "one NVLink domain", "across domains"
+    return (
+        f"Timed on {topo.name} ({links}; compute and memory stay {p.hardware}'s): TP may be any of {degrees} (dividing "
+        f"the {p.model.heads} heads and the {p.network.domain} GPUs TP may span here). On {fast_place}: "
+        f"{', '.join(fast) or 'no group'}; {slow_place}: {', '.join(slow) or 'no group'}."
+    )
 
 
 def _pipeline_reason(p: Plan) -> str:
@@ -1425,7 +1462,7 @@ def beyond_search(p: Plan) -> list[Candidate]:
     activations and step time beside the choice; the search itself ranks only :func:`pipeline_schedules`."""
     if p.pp == 1:
         return []
-    args = (p.gpus, p.gpus_per_node, p.gpu_mem_bytes, get_profile(p.hardware), p.global_batch, p.micro_batch)
+    args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.micro_batch)
     sizes = (p.tp, p.pp, p.dp, p.zero, p.microbatches, p.cp, p.ep)
     return [
         evaluate(p.model, Layout(*sizes, s, 1), *args, p.precision, p.recompute, p.attention, p.sp)
@@ -1543,7 +1580,7 @@ def published_candidate(p: Plan) -> Candidate | None:
     if rest or m < pub["pp"]:
         return None
     zeros = [p.model.published["zero"]] if "zero" in p.model.published else [0, 1, 2]
-    args = (p.gpus, p.gpus_per_node, p.gpu_mem_bytes, get_profile(p.hardware), p.global_batch, p.micro_batch)
+    args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.micro_batch)
     schedules = pipeline_schedules(p.model.layers, pub["pp"], m)
     tried = []
     for recompute in ("none", "selective"):

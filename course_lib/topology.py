@@ -22,8 +22,11 @@ Every profile (:data:`PROFILES`) carries its figures and, for each, where it com
 from __future__ import annotations
 
 import inspect
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from math import prod
 
 from course_lib.hardware import PROFILES as HARDWARE
@@ -209,11 +212,11 @@ class Torus(Topology):
 
     def coords(self, gpu: int) -> tuple[int, ...]:
         """Row-major coordinates (the last axis varies fastest)."""
-        out = []
-        for k in reversed(self.shape):
-            gpu, c = divmod(gpu, k)
-            out.append(c)
-        return tuple(reversed(out))
+        return self._coords[gpu]
+
+    @cached_property
+    def _coords(self) -> list[tuple[int, ...]]:
+        return list(itertools.product(*(range(k) for k in self.shape)))
 
     def gpu(self, coords: Sequence[int]) -> int:
         index = 0
@@ -278,13 +281,13 @@ class Torus(Topology):
             held = sorted({c[axis] for c in coords})
             hops += max((min((b - a) % k, (a - b) % k) for a in held for b in held), default=0)
         if extents is None:
-            return Where(f"{len(ranks)} chips, not a box of neighbours", False, self.link_bandwidth, hops)
+            return Where(f"on {len(ranks)} scattered chips, not a box of neighbours", False, self.link_bandwidth, hops)
         if not extents:
-            return Where("one chip", True, float("inf"), 0)
+            return Where("on one chip", True, float("inf"), 0)
         rings = [
             f"{'a ring of' if m == self.shape[a] else 'a run of'} {m} on axis {a}" for a, m in sorted(extents.items())
         ]
-        return Where("a box of neighbouring chips: " + " x ".join(rings), True, self.link_bandwidth, hops)
+        return Where(f"on a box of neighbouring chips ({' x '.join(rings)})", True, self.link_bandwidth, hops)
 
     def levels(self) -> list[tuple[str, int]]:
         return [(f"torus axis {axis}", self.shape[axis]) for axis in reversed(range(len(self.shape)))]
@@ -331,8 +334,9 @@ _LATENCY_NOTE = (
 
 
 def h100_superpod(nodes: int = 4) -> FatTree:
-    """DGX H100 nodes on a rail-optimized, non-blocking InfiniBand NDR fat-tree, as in a DGX SuperPOD."""
-    per_leaf = min(nodes, 32)
+    """DGX H100 nodes on a rail-optimized, non-blocking InfiniBand NDR fat-tree, as in a DGX SuperPOD: scalable
+    units of 32 nodes, or, for a node count that is not a multiple of 32, of its largest divisor that divides 32."""
+    per_leaf = math.gcd(nodes, 32)
     figures = {
         "gpus_per_domain": 8,
         "nvlink_bandwidth": 450e9,
@@ -449,6 +453,36 @@ def get_topology(name: str, **size) -> Topology:
     if name not in PROFILES:
         raise ValueError(f"unknown topology {name!r}; choose one of {sorted(PROFILES)}")
     return PROFILES[name](**size)
+
+
+def for_gpus(spec: str, gpus: int) -> Topology:
+    """A profile from ``NAME:SIZE`` as :func:`from_spec` reads it, or ``NAME`` sized to ``gpus``: that many GPUs
+    in whole nodes or racks, or, for a torus, the most cube-like shape of sides that are multiples of 4 (as TPU
+    v5p slices are), else of any sides (:func:`_cube_like`)."""
+    if ":" in spec or spec not in PROFILES:
+        return from_spec(spec)
+    keyword = next(iter(inspect.signature(PROFILES[spec]).parameters))
+    if keyword == "shape":
+        return get_topology(spec, shape=_cube_like(gpus))
+    per = get_topology(spec).gpus_per_domain
+    if gpus % per:
+        raise ValueError(f"{gpus} GPUs are not whole {keyword} of {per} on {spec}: give a multiple of {per}")
+    return get_topology(spec, **{keyword: gpus // per})
+
+
+def _cube_like(n: int) -> tuple[int, int, int]:
+    """Sides c >= b >= a with a b c = n, multiples of 4 if some are, the ratio c/a the smallest; the shortest
+    ring last, the axis consecutive chips run along, so a small chatty group (TP) is a whole ring."""
+    shapes = [
+        (a, b, n // (a * b))
+        for a in range(1, n + 1)
+        if n % a == 0
+        for b in range(a, n // a + 1)
+        if (n // a) % b == 0 and n // (a * b) >= b
+    ]
+    fours = [s for s in shapes if all(k % 4 == 0 for k in s)]
+    a, b, c = min(fours or shapes, key=lambda s: (s[2] / s[0], s))
+    return c, b, a
 
 
 def from_spec(spec: str) -> Topology:

@@ -205,6 +205,8 @@ BAD = (
         (["plan"], "the following arguments are required: --gpus"),
         (["plan", "--gpus", "0", "--params", "7e9"], "--gpus: must be a whole number of at least 1"),
         (["plan", "--gpus", "8"], "give a preset, the parameter count, or the dims"),
+        (["plan", "--gpus", "100", "--params", "7e9", "--topology", "gb200-nvl72"], "not whole racks of 72"),
+        (["plan", "--gpus", "64", "--params", "7e9", "--topology", "tpu-v5p:4x4x8"], "has 128 GPUs, not the plan's"),
         (["plan", "--gpus", "8", "--params", "nan"], "--params: must be a finite number"),
         (["plan", "--gpus", "8", "--params", "7e9", "--global-batch", "0"], "--global-batch: must be a whole number"),
         (["plan", "--gpus", "8", "--params", "7e9", "--micro-batch", "-1"], "--micro-batch: must be a whole number"),

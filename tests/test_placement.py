@@ -61,7 +61,7 @@ def test_on_a_torus_each_level_is_an_axis_and_every_group_a_box_of_neighbours():
     for axis, torus_axis in (("tp", 2), ("pp", 1), ("dp", 0)):
         for g in placed_groups(full, gpus, axis):
             assert CUBE.box(g) == {torus_axis: 4}
-            assert CUBE.where(g).what == f"a box of neighbouring chips: a ring of 4 on axis {torus_axis}"
+            assert CUBE.where(g).what == f"on a box of neighbouring chips (a ring of 4 on axis {torus_axis})"
     full, coords = mesh(dp=2, tp=8)
     tp = placed_groups(full, placement.gpus_for(coords, CUBE, "tp/dp"), "tp")[0]
     assert CUBE.box(tp) == {1: 2, 2: 4}  # a ring by a pair: the torus all-reduce runs on it

@@ -8,6 +8,7 @@ import pytest
 
 from course_lib.cli import main
 from course_lib.memory import activation_bytes_per_layer, model_state_formula
+from course_lib.network import Network
 from course_lib.plan import (
     PRESETS,
     Candidate,
@@ -121,7 +122,7 @@ def test_deepseek_v3_published_all_to_all_crosses_nodes(deepseek):
     sent = 4096 * 8 * 7168 * 2 * 63 / 64  # a rank's tokens x top-8 x hidden x 2 bytes, 63/64 of it off-rank
     one = sent / 50e9 + 63 * 5e-6
     assert c.time["ep_comm_s"] == pytest.approx(4 * 58 / 16 * 120 * one, rel=1e-12)  # 4 per MoE layer, microbatch
-    assert ep_comm(deepseek.model, c, 1, H800, 8) == c.time["ep_comm_s"]
+    assert ep_comm(deepseek.model, c, 1, Network(H800, 8)) == c.time["ep_comm_s"]
 
 
 def test_deepseek_v3_planner_choice_and_why_it_differs(deepseek):
@@ -219,7 +220,7 @@ def test_an_exposed_ring_at_short_sequences():
     comm = 2 * 2 * 512 * 128 / 50e9 + 5e-6
     compute = 2 * 512 * 512 * 16384 / 8 / ATTENTION_RATE
     expected = 126 / 16 * 16 * 3 * 15 * (comm - compute)
-    assert cp_comm_exposed(m, c, 1, H100, 8, "mixed") == pytest.approx(expected, rel=1e-12)
+    assert cp_comm_exposed(m, c, 1, Network(H100, 8), "mixed") == pytest.approx(expected, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------ command line

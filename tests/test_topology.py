@@ -39,6 +39,8 @@ SHAPES = {
     "2x4x4 torus": (SLAB, list(range(32))),
     "torus box 2x4": (CUBE, BOX),
     "torus runs 3x3": (LONG, RUN),
+    "scattered chips": (CUBE, [0, 2, 8, 10, 21, 42, 63]),  # not a box: the all-to-all counted link by link
+    "scattered on 4x8x8": (LONG, [LONG.gpu((x, 2 * y, (3 * y + x) % 8)) for x in range(4) for y in range(4)]),
 }
 CASES = [
     ("all_reduce", "ring", ["in a node", "across nodes (rails)", "2:1 fat-tree", "two NVL72 racks", "torus axis"]),
@@ -193,7 +195,10 @@ def test_every_profile_cites_each_of_its_figures(name):
         (lambda: collectives.cost(SUPERPOD, "all_to_all", "ring", [0, 1], 1e6), "for all_to_all choose one of"),
         (lambda: collectives.cost(SUPERPOD, "gossip", "ring", [0, 1], 1e6), "unknown collective"),
         (lambda: topology.get_topology("dragonfly"), "unknown topology"),
-        (lambda: topology.h100_superpod(nodes=40), "do not fill leaves"),
+        (
+            lambda: FatTree(**{**SUPERPOD.figures, "name": "f", "domains": 5, "domains_per_leaf": 2}),
+            "do not fill leaves",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(call, message):

@@ -291,20 +291,61 @@ def test_schedule_explorer_redraws_and_disables_chunks_outside_interleaved(lab, 
     assert page.errors == []
 
 
-def test_planner_form_shows_its_labels_and_enables_the_parameter_count_only_for_it(lab, page):
-    lab.open(page, "06_3d_parallelism.ipynb")
-    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="planner_form("))
+def _run_cell(page, call: str) -> None:
+    """Run only the code cell whose source contains ``call`` (its cell needs no other), as Run > Run Selected Cell."""
+    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=call))
     cell.locator(".jp-InputPrompt").click()
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run Selected Cell and Do not Advance").click()
+
+
+def test_planner_form_changes_its_layout_with_the_gpus_and_enables_the_parameter_count_only_for_it(lab, page):
+    from course_lib.plan import describe, plan
+
+    lab.open(page, "06_3d_parallelism.ipynb")
+    _run_cell(page, "planner_form(")
     widget = _widget(page, "planner_form(")
     sync_api.expect(widget.locator(".widget-output img")).to_be_visible()
     _assert_clean(page)
     widget.screenshot(path=ARTIFACTS / "06_planner_form.png")
     assert widget.evaluate(CUT_LABELS_JS) == []
+    output = widget.locator(".widget-output")
+    sync_api.expect(output).to_contain_text(describe(plan("llama3-70b", 512)) + ",")  # the lesson's call
+    figure = output.locator("img").get_attribute("src")
+    gpus = _control(widget, "GPUs").locator("input")
+    gpus.fill("64")
+    gpus.press("Enter")
+    assert describe(plan("llama3-70b", 64)) != describe(plan("llama3-70b", 512))
+    sync_api.expect(output).to_contain_text(describe(plan("llama3-70b", 64)) + ",")
+    sync_api.expect(output.locator("img")).not_to_have_attribute("src", figure)
+    widget.screenshot(path=ARTIFACTS / "06_planner_form_64_gpus.png")
     params = _control(widget, "Ψ (billions)").locator(".noUi-target")
     sync_api.expect(params).to_have_attribute("disabled", "true")
     widget.locator("select").select_option("parameter count")
     sync_api.expect(params).not_to_have_attribute("disabled", re.compile(".*"))
-    sync_api.expect(widget.locator(".widget-output")).to_contain_text("30.0B parameters")
+    sync_api.expect(output).to_contain_text("30.0B parameters")
+    assert page.errors == []
+
+
+def test_flashcards_flip_and_next_change_the_card(lab, page):
+    from course_lib.flashcards import load_deck
+
+    deck = load_deck()
+    lab.open(page, "09_practice.ipynb")
+    _run_cell(page, "deck_widget(deck)")
+    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text="deck_widget(deck)"))
+    widget = cell.locator(".jp-OutputArea-output .widget-vbox").first
+    sync_api.expect(widget).to_be_visible(timeout=30_000)
+    _assert_clean(page)
+    first = deck[0]
+    sync_api.expect(widget).to_contain_text(first.question)
+    assert first.answer not in widget.inner_text()
+    widget.screenshot(path=ARTIFACTS / "09_flashcards_question.png")
+    widget.get_by_role("button", name="Flip", exact=True).click()
+    sync_api.expect(widget).to_contain_text(first.answer)
+    widget.screenshot(path=ARTIFACTS / "09_flashcards_answer.png")
+    widget.get_by_role("button", name="Next", exact=True).click()
+    sync_api.expect(widget).to_contain_text(deck[1].question)
+    sync_api.expect(widget).not_to_contain_text(first.question)
+    widget.screenshot(path=ARTIFACTS / "09_flashcards_next.png")
     assert page.errors == []

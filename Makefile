@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: lab demo test lint clean
+.PHONY: lab demo test lint html clean
 
 # (Re)create the virtual environment whenever the pinned dependencies change.
 $(STAMP): pyproject.toml jupyter-config/ipython_kernel_config.py
@@ -28,6 +28,10 @@ lint: $(STAMP)
 # One pytest run: the library's tests, then every lesson under nbval (each cell must run without error).
 test: $(STAMP) lint
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider tests notebooks
+
+# Every lesson executed and checked, written as a static site to read without a kernel: out/html/index.html.
+html: $(STAMP)
+	$(BIN)/python -m course_lib.site out/html
 
 clean:
 	rm -rf $(VENV) demo_out out .pytest_cache

@@ -1,0 +1,106 @@
+"""`make html` (course_lib.site): tiny lessons executed for real, checked, and written as pages that stand alone."""
+
+import base64
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from course_lib import site
+
+PLOT = [
+    new_code_cell(
+        "import matplotlib.pyplot as plt\n\ndef draw():\n    plt.plot([0, 1], [1, 0])\n    plt.show()", id="a-def"
+    ),
+    new_code_cell("draw()", id="calls-it"),
+    new_code_cell("plt.plot([0, 1], [0, 1]); plt.show()", id="draws"),
+]
+PLAIN = [
+    new_code_cell("print(6 * 7)", id="prints"),
+    new_code_cell("import ipywidgets\n\nipywidgets.interactive(lambda n: print(n), n=(0, 9))", id="widget"),
+]
+README = (
+    "# Course map\n\n| # | notebook |\n|---|---|\n| 10 | `10_plot.ipynb` |\n| 11 | [the plain one](11_plain.ipynb) |\n"
+)
+
+
+def lessons(tmp_path: Path, readme: str = README, **cells: list) -> Path:
+    """A notebooks folder holding the course map and one lesson per keyword (its name) with these cells."""
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    (folder / "README.md").write_text(readme)
+    for name, lesson_cells in cells.items():
+        nbformat.write(new_notebook(cells=[new_markdown_cell(f"# Lesson {name}"), *lesson_cells]), folder / name)
+    return folder
+
+
+def no_kernel(*args, **kwargs):
+    raise AssertionError("a kernel was started")
+
+
+def test_the_site_runs_each_lesson_embeds_its_figures_and_links_every_page(tmp_path, capsys):
+    folder = lessons(tmp_path, **{"10_plot.ipynb": PLOT, "11_plain.ipynb": PLAIN})
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    assert site.main([str(tmp_path / "html"), "--notebooks", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["10_plot", "11_plain", "index:"]
+    assert lines[0].endswith(" 2 figures") and lines[1].endswith(" 0 figures")  # draw() and the last cell; no def
+    assert lines[2] == f"index: {tmp_path / 'html' / 'index.html'}"
+
+    plot = (tmp_path / "html" / "10_plot.html").read_text()
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,([^"]+)"', plot)
+    assert len(images) == 2 and all(base64.b64decode(image).startswith(b"\x89PNG\r\n\x1a\n") for image in images)
+    assert 'href="index.html"' in plot
+    plain = (tmp_path / "html" / "11_plain.html").read_text()
+    assert "42" in plain and "<img" not in plain and site.WIDGET_NOTE in plain and site.WIDGET not in plain
+
+    index = (tmp_path / "html" / "index.html").read_text()
+    assert 'href="10_plot.html"' in index and 'href="11_plain.html"' in index and '.ipynb"' not in index
+    assert "executed top to bottom with torch" in index and "read-only" in index
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing written into notebooks/
+
+
+def test_a_plot_that_shows_no_image_fails_the_check_naming_lesson_and_cell():
+    cell = new_code_cell("import matplotlib.pyplot as plt\nplt.show()", id="no-figure", execution_count=1)
+    with pytest.raises(ValueError) as err:
+        site.check(new_notebook(cells=[cell]), "10_empty")
+    assert str(err.value) == "10_empty: cell no-figure calls plt.show() 1 time(s) but shows 0 image(s)"
+
+
+def test_a_cell_that_raises_fails_the_build_in_one_line(tmp_path, capsys):
+    cells = [new_code_cell('raise RuntimeError("the lesson broke\\nand more")', id="boom")]
+    folder = lessons(tmp_path, "`10_boom.ipynb`", **{"10_boom.ipynb": cells})
+    assert site.main([str(tmp_path / "html"), "--notebooks", str(folder)]) == 1
+    out = capsys.readouterr()
+    assert out.err == "make html: 10_boom: cell boom raised RuntimeError: the lesson broke\n" and out.out == ""
+
+
+def test_no_execute_renders_the_stored_outputs_without_a_kernel(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(site, "NotebookClient", no_kernel)
+    stored = new_code_cell("print('stored')", id="stored", execution_count=1)
+    stored.outputs = [
+        new_output("stream", name="stdout", text="stored output 42\n"),
+        new_output("display_data", data={site.WIDGET: {"model_id": "1"}, "text/plain": "IntSlider(value=3)"}),
+    ]
+    folder = lessons(tmp_path, "`10_stored.ipynb`", **{"10_stored.ipynb": [stored]})
+    assert site.main([str(tmp_path / "html"), "--notebooks", str(folder), "--no-execute"]) == 0
+    page = (tmp_path / "html" / "10_stored.html").read_text()
+    assert "stored output 42" in page and site.WIDGET_NOTE in page and "IntSlider" not in page
+    assert "rendered as stored" in (tmp_path / "html" / "index.html").read_text()
+
+
+def test_a_lesson_missing_from_the_course_map_is_refused_before_any_kernel(tmp_path, monkeypatch):
+    monkeypatch.setattr(site, "NotebookClient", no_kernel)
+    folder = lessons(tmp_path, "`10_plot.ipynb`", **{"10_plot.ipynb": PLOT, "11_plain.ipynb": PLAIN})
+    with pytest.raises(ValueError, match="README.md does not name 11_plain: add each lesson to the course map"):
+        site.build(tmp_path / "html", folder)
+
+
+def test_an_error_output_fails_the_check_even_where_the_kernel_went_on():
+    """A cell tagged raises-exception does not stop nbclient; its error output still fails the lesson."""
+    cell = new_code_cell("1 / 0", id="tagged", execution_count=1, metadata={"tags": ["raises-exception"]})
+    cell.outputs = [new_output("error", ename="ZeroDivisionError", evalue="division by zero", traceback=[])]
+    with pytest.raises(ValueError, match="^10_x: cell tagged raised ZeroDivisionError: division by zero$"):
+        site.check(new_notebook(cells=[cell]), "10_x")

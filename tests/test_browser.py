@@ -2,7 +2,8 @@
 (issue 20, item 6). Playwright drives the system's chromium; JupyterLab serves a copy of the notebooks, so running
 them never writes into the checkout. Screenshots and JupyterLab's log land in ``out/browser/``.
 
-Select these tests with ``pytest -m browser`` (``-m "not browser"`` leaves them out).
+Select these tests with ``pytest -m browser`` (``-m "not browser"`` leaves them out). A test that runs a whole lesson
+is marked ``runs_notebook``, and nbval then leaves that lesson to it (``conftest.py``).
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ def _numbers(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"\d+\.\d+", text)]
 
 
+@pytest.mark.runs_notebook("03_zero_fsdp.ipynb")
 def test_zero_explorer_shows_figure_one_like_its_check_cell(lab, page):
     lab.open(page, "03_zero_fsdp.ipynb")
     _run_all(page)
@@ -265,6 +267,7 @@ def test_zero_explorer_shows_figure_one_like_its_check_cell(lab, page):
     assert page.errors == []
 
 
+@pytest.mark.runs_notebook("05_pipeline_parallel.ipynb")
 def test_schedule_explorer_redraws_and_disables_chunks_outside_interleaved(lab, page):
     lab.open(page, "05_pipeline_parallel.ipynb")
     _run_all(page)

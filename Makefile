@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python -m course_lib demo --plot demo_out
 
 lint: $(STAMP)
-	$(BIN)/ruff check course_lib tests benchmarks conftest.py
+	$(BIN)/ruff check course_lib tests benchmarks
 
 # One pytest run: the library's tests, then every lesson under nbval (each cell must run without error).
 test: $(STAMP) lint

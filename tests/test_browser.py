@@ -3,7 +3,7 @@
 them never writes into the checkout. Screenshots and JupyterLab's log land in ``out/browser/``.
 
 Select these tests with ``pytest -m browser`` (``-m "not browser"`` leaves them out). A test that runs a whole lesson
-is marked ``runs_notebook``, and nbval then leaves that lesson to it (``conftest.py``).
+is marked ``runs_notebook``, and nbval then leaves that lesson to it (``tests/conftest.py``).
 """
 
 from __future__ import annotations

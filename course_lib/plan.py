@@ -1375,14 +1375,18 @@ def _memory_reason(p: Plan) -> str:
 
 
 def _placement_reasons(p: Plan) -> list[str]:
-    names = {"tp": "TP group", "cp": "CP ring", "pp": "pipeline", "dp": "DP group", "ep": "EP group (all-to-all)"}
     out = [] if p.network.topology is None else [_topology_reason(p)]
-    for axis, g in p.placement.items():
-        where = "sits " + g["where"] if "where" in g else "spans nodes" if g["spans_nodes"] else "sits inside a node"
+    return out + (placement_sentences(p.placement) or ["One GPU: no group, no traffic."])
+
+
+def placement_sentences(where: dict[str, dict]) -> list[str]:
+    """One sentence per axis of a layout's :func:`placement`: the group's size, where it sits and its link."""
+    names = {"tp": "TP group", "cp": "CP ring", "pp": "pipeline", "dp": "DP group", "ep": "EP group (all-to-all)"}
+    out = []
+    for axis, g in where.items():
+        place = "sits " + g["where"] if "where" in g else "spans nodes" if g["spans_nodes"] else "sits inside a node"
         hops = f", up to {g['hops']} hops" if "hops" in g else ""
-        out.append(f"The {names[axis]} of {g['size']} {where} ({g['bandwidth'] / 1e9:g} GB/s per GPU{hops}).")
-    if not p.placement:
-        out.append("One GPU: no group, no traffic.")
+        out.append(f"The {names[axis]} of {g['size']} {place} ({g['bandwidth'] / 1e9:g} GB/s per GPU{hops}).")
     return out
 
 

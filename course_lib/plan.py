@@ -823,18 +823,26 @@ def cp_comm_exposed(model: Model, c: Candidate, micro_batch: int, net: Network, 
     return model.layers / c.pp * c.microbatches * 3 * (c.cp - 1) * max(0.0, comm - compute)
 
 
+def dispatch_bytes(model: Model, c: Candidate | Layout, micro_batch: int) -> float:
+    """What one rank hands one of expert parallelism's all-to-alls (dispatch or combine) for one microbatch, in
+    bytes (:mod:`course_lib.comm`'s S): its tokens, b x s / (cp x tp) (sequence parallelism and CP split them),
+    top_k copies each, h 16-bit values a copy (GShard, Lepikhin et al. 2021, §3.2). Under uniform routing
+    (ep-1)/ep of it leaves the rank (:func:`course_lib.comm.ring_factor`). DeepSeek-V3 dispatches in FP8, half
+    of this (§3.3)."""
+    tokens = micro_batch * model.seq / (c.cp * c.tp)
+    return 2 * tokens * model.experts.top_k * model.hidden
+
+
 def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:
     """Expert parallelism's all-to-alls, not overlapped (1F1B; DeepSeek-V3's DualPipe hides them behind another
     microbatch's compute, §3.2.1). Per MoE layer and microbatch four: dispatch and combine, forward and
-    backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2). A rank's tokens
-    (b x s / (cp x tp): sequence parallelism and CP split them) go to top_k experts each, h 16-bit values a
-    copy; under uniform routing (ep-1)/ep of them leave the rank (:func:`course_lib.comm.ring_factor`), timed
-    as an all-to-all on the EP group's slowest link (:func:`course_lib.hardware.collective_time`)."""
+    backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2), each of
+    :func:`dispatch_bytes`, timed as an all-to-all on the EP group's slowest link
+    (:func:`course_lib.hardware.collective_time`)."""
     if c.ep == 1:
         return 0.0
-    tokens = micro_batch * model.seq / (c.cp * c.tp)
     ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"]
-    one = net.time("all_to_all", ranks, 2 * tokens * model.experts.top_k * model.hidden)
+    one = net.time("all_to_all", ranks, dispatch_bytes(model, c, micro_batch))
     return 4 * model.moe_layers / c.pp * c.microbatches * one
 
 

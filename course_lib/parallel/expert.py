@@ -87,6 +87,13 @@ def local_experts(experts: int, rank: int, world_size: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
+def rows_between(kept: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The token rows each source rank sends each destination rank, (source, destination), from the kept
+    assignments per (source rank, expert) of a group of ``ranks``: one row per assignment, to the rank holding the
+    expert (:func:`local_experts`); the diagonal is what stays on its rank."""
+    return kept.unflatten(1, (ranks, -1)).sum(2)
+
+
 class AllToAllDispatcher:
     """Tokens to the ranks that own their experts and back, by all-to-all (Megatron-core's
     ``MoEAlltoAllTokenDispatcher``); the counts by all-gather (see the module docstring).
@@ -118,7 +125,7 @@ class AllToAllDispatcher:
         that arrived here (by source rank, then expert), the local expert of each, and the plan to send them back."""
         order = routing.expert.argsort(stable=True)
         kept = routing.kept[self.first : self.first + self.n]  # the EP group's rows, (source, expert)
-        per_rank = kept.unflatten(1, (self.n, -1)).sum(2)  # (source, destination) rows
+        per_rank = rows_between(kept, self.n)
         me = self.rank - self.first
         send, receive = per_rank[me].tolist(), per_rank[:, me].tolist()
         rows = AllToAll.apply(x[routing.token[order]], receive, send, self.group)
@@ -283,7 +290,7 @@ def all_to_all_bytes(counts: list, cfg: GPTConfig, train: TrainConfig, ep: int |
     for layer in counts:
         kept = within_capacity(torch.tensor(layer), cfg)
         for first in range(0, sources, n):
-            per_rank = kept[first : first + n].unflatten(1, (n, -1)).sum(2)  # (source, destination) rows
+            per_rank = rows_between(kept[first : first + n], n)
             for r in range(n):
                 away = per_rank[r].sum() - per_rank[r, r]
                 arrived = per_rank[:, r].sum() - per_rank[r, r]

@@ -36,7 +36,8 @@ sends (a 1/n share to each rank, itself included). Compute (the reduction's addi
   messages leaving the leaf): the bisection, where oversubscription bites. On a torus (a box of whole rings and
   short runs) the busiest link of a whole ring of k chips carries f(f+1)/2 x n/k messages, f = k // 2
   (dimension-order routing, ties the positive way), of a run of m floor(m/2) ceil(m/2) x n/m; the longest message
-  crosses f (or m-1) hops per axis. Scattered chips (not a box) are timed by the link-level simulation itself.
+  crosses f (or m-1) hops per axis. Scattered chips (not a box) have no closed form: every link's messages are
+  counted (numpy), as the link-level simulation does message by message.
 * **p2p**: the route's latency (hops x hop latency on a torus) + nbytes / its slowest link.
 
 :func:`choose` picks the fastest applicable algorithm for a collective, group and size, as NCCL's tuner picks the
@@ -188,13 +189,13 @@ def _torus_all_to_all(topology: Torus, group: Sequence[int], nbytes: float) -> f
     members per line times the n/m lines that route through it: L = f(f+1)/2 on a whole ring (f = k // 2, ties
     the positive way), floor(m/2) ceil(m/2) across the middle of a run of m; the longest message crosses f or m-1
     hops per axis, through each axis' busiest link. Chips that are not a box have no closed form here: their time
-    is :func:`course_lib.linksim.simulate`'s, every route's sharing counted."""
+    is counted link by link (:func:`_scattered`)."""
     n = len(group)
     if n == 1:
         return 0.0
     try:
         extents = topology.box(group)
-    except ValueError:  # scattered chips: no closed form; the link-level simulation counts every route's sharing
+    except ValueError:  # scattered chips: no closed form; count every link's messages
         return _scattered(topology, group, nbytes)
     hops, load = 0, 0.0
     for axis, m in extents.items():

@@ -721,18 +721,8 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _rank_main(
-    rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops
-) -> None:
-    global _DEVICE, _IN_RANK, _STATUS
-    _die_with_parent()
-    _IN_RANK = True
-    stacks = open(_stack_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life: faulthandler writes
-    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
-    lock = threading.Lock()
-    sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
-    torch.set_num_threads(threads)
-    mine = _STATUS = status[rank]
+def _status_teller(mine: _RankStatus) -> comm.StatusSink:
+    """A :func:`course_lib.comm.set_status_sink` sink that writes into this rank's shared status entry."""
 
     def tell(text: str, group: str, number: int, blocked: bool) -> None:
         mine.blocked_since = 0.0
@@ -740,23 +730,44 @@ def _rank_main(
         mine.group, mine.number = group.encode()[:31], number
         mine.blocked_since = time.monotonic() if blocked else 0.0
 
+    return tell
+
+
+def _join_group(rank: int, world_size: int, store_path: str, backend: str, timeout: float) -> None:
+    """Set this rank's device and join the process group at the file store; return once every rank has joined."""
+    global _DEVICE
+    if backend == "nccl":
+        _DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(_DEVICE)
+    # The launcher's deadline, not gloo's, decides when a hang is reported, so the collectives wait longer.
+    pg_timeout = timedelta(seconds=timeout + 30)
+    store = dist.FileStore(store_path, world_size)
+    store.set_timeout(pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    # gloo can finish a rank's side of its connections before its peers have finished theirs; a rank that then
+    # returned and exited at once broke a peer's set-up ("Connection closed by peer"). Start together instead.
+    if store.add("ranks_up", 1) == world_size:
+        store.set("all_up", "1")
+    store.wait(["all_up"])
+
+
+def _rank_main(
+    rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops
+) -> None:
+    global _IN_RANK, _STATUS
+    _die_with_parent()
+    _IN_RANK = True
+    stacks = open(_stack_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life: faulthandler writes
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+    lock = threading.Lock()
+    sys.stdout = sys.stderr = _PipeWriter(conn, rank, lock)
+    torch.set_num_threads(threads)
+    _STATUS = status[rank]
     try:
-        if backend == "nccl":
-            _DEVICE = torch.device("cuda", rank)
-            torch.cuda.set_device(_DEVICE)
-        # The launcher's deadline, not gloo's, decides when a hang is reported, so the collectives wait longer.
-        pg_timeout = timedelta(seconds=timeout + 30)
-        store = dist.FileStore(store_path, world_size)
-        store.set_timeout(pg_timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-        # gloo can finish a rank's side of its connections before its peers have finished theirs; a rank that then
-        # returned and exited at once broke a peer's set-up ("Connection closed by peer"). Start together instead.
-        if store.add("ranks_up", 1) == world_size:
-            store.set("all_up", "1")
-        store.wait(["all_up"])
+        _join_group(rank, world_size, store_path, backend, timeout)
         trace.reset(rank, epoch)
         comm.reset()
-        comm.set_status_sink(tell)
+        comm.set_status_sink(_status_teller(_STATUS))
         fn, args, kwargs = cloudpickle.loads(payload)
         value = _call(fn, args, kwargs, count_flops)
         sys.stdout.flush()

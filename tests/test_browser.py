@@ -250,6 +250,39 @@ def _numbers(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"\d+\.\d+", text)]
 
 
+def _code_cell(page, call: str):
+    """The code cell whose source contains ``call``."""
+    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=call))
+    sync_api.expect(cell).to_have_count(1)
+    return cell
+
+
+@pytest.mark.runs_notebook("00_collectives.ipynb")
+def test_lesson_00_ranks_cells_show_each_ranks_output_and_the_cells_ledger_line(lab, page):
+    import nbformat
+    import torch
+
+    nb = nbformat.read(ROOT / "notebooks" / "00_collectives.ipynb", as_version=4)
+    parameters = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    n = int(re.search(r"^world_size = (\d+)$", parameters, flags=re.M).group(1))
+    lab.open(page, "00_collectives.ipynb")
+    _run_all(page)
+    _assert_clean(page)
+    built_cell = _code_cell(page, "x = torch.arange(4.0")
+    built = built_cell.locator(".jp-OutputArea")
+    for r in range(n):  # every rank holds its own x: one block per rank
+        sync_api.expect(built).to_contain_text(f"[rank {r}]\nOut: {torch.arange(4.0) + 10 * r!r}")
+    sync_api.expect(built).to_contain_text("comm: nothing communicated")
+    reduced_cell = _code_cell(page, "comm.all_reduce(x)")
+    reduced = reduced_cell.locator(".jp-OutputArea")
+    total = sum(torch.arange(4.0) + 10 * r for r in range(n))  # every rank holds the sum: one collapsed block
+    sync_api.expect(reduced).to_contain_text(f"[ranks {','.join(map(str, range(n)))}]\nOut: {total!r}")
+    sync_api.expect(reduced).to_contain_text(f"comm: all_reduce x1; {2 * (n - 1) / n * 16:,.0f} B sent by each rank;")
+    built_cell.screenshot(path=ARTIFACTS / "00_ranks_cell_per_rank.png")
+    reduced_cell.screenshot(path=ARTIFACTS / "00_ranks_cell_all_reduce.png")
+    assert page.errors == []
+
+
 @pytest.mark.runs_notebook("03_zero_fsdp.ipynb")
 def test_zero_explorer_shows_figure_one_like_its_check_cell(lab, page):
     lab.open(page, "03_zero_fsdp.ipynb")

@@ -19,6 +19,7 @@ def test_parameters_cell_takes_a_world_size(tmp_path):
     )
     text = out.read_text()
     assert "world_size = 2" in text and "'world': 2" in text
+    assert "[ranks 0,1]" in text  # section 4's %ranks started world_size ranks: the all-reduce's collapsed block
 
 
 def test_every_lesson_has_a_parameters_cell():

@@ -14,7 +14,8 @@ group at a file store, each reporting the collective it is in through the same s
 report reads, and recording every collective in the comm ledger (:mod:`course_lib.comm`). Each rank runs a loop
 that reads a message from its pipe (a cell's code, a name to get, a value to put), does it in its namespace (where
 ``rank``, ``world_size``, ``dist``, ``comm`` and ``torch`` are ready) and answers on the same pipe with what the
-cell printed, the value of its last expression, its traceback if it raised, and the ledger records it added.
+cell printed, the value of its last expression, its traceback if it raised, the figures it left open (drawn with
+matplotlib's Agg backend, sent as PNG and closed) and the ledger records it added.
 
 A rank that raises answers with its traceback and keeps its loop, so the next cell finds every rank alive. A cell
 whose ranks do not all answer within the timeout (a rank skipped a collective its peers wait in) is ended: the
@@ -33,10 +34,12 @@ import linecache
 import math
 import os
 import shlex
+import sys
 import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -59,13 +62,14 @@ class CellError(launch.RankError):
 @dataclass
 class RankReply:
     """What one rank answers after a cell: its printed output, its last expression's ``repr`` (None if the cell
-    did not end in an expression or it was None), its traceback (None if it did not raise) and its new ledger
-    records."""
+    did not end in an expression or it was None), its traceback (None if it did not raise), its new ledger
+    records and the PNG of each figure it left open, oldest first."""
 
     out: str
     value: str | None
     error: str | None
     records: list[comm.CommRecord]
+    figures: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -95,16 +99,45 @@ def _short_traceback(exc: BaseException, filename: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _use_agg() -> None:
+    """Draw with matplotlib's Agg backend in this rank: a rank has no display, and the kernel's inline backend
+    (which ipykernel names in ``MPLBACKEND``, inherited by the ranks) would show nothing from here."""
+    os.environ["MPLBACKEND"] = "agg"
+    if "matplotlib" in sys.modules:
+        sys.modules["matplotlib"].use("agg")
+
+
+def _figures() -> list[bytes]:
+    """The PNG of every pyplot figure left open, oldest first, as the inline backend would show it; all are closed,
+    even when one fails to draw."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:  # the cell never imported pyplot: no figure can be open
+        return []
+    try:
+        pngs = []
+        for number in pyplot.get_fignums():
+            png = io.BytesIO()
+            pyplot.figure(number).savefig(png, format="png", bbox_inches="tight")
+            pngs.append(png.getvalue())
+        return pngs
+    finally:
+        pyplot.close("all")
+
+
 def _execute(namespace: dict, code: str, filename: str) -> RankReply:
     before = len(comm.records())
-    out, value, error = io.StringIO(), None, None
+    out, value, error, figures = io.StringIO(), None, None, []
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             result = _run_code(code, namespace, filename)
             value = None if result is None else repr(result)
         except Exception as exc:  # noqa: BLE001 - the rank reports it and waits for the next cell
             error = _short_traceback(exc, filename)
-    return RankReply(out.getvalue(), value, error, comm.records()[before:])
+        try:
+            figures = _figures()
+        except Exception as exc:  # noqa: BLE001 - a figure that does not draw is the cell's error
+            error = (error or "") + _short_traceback(exc, filename)
+    return RankReply(out.getvalue(), value, error, comm.records()[before:], figures)
 
 
 def _answer(namespace: dict, kind: str, body) -> tuple[str, object]:
@@ -126,6 +159,7 @@ def _rank_loop(rank: int, world_size: int, store_path: str, conn, status, backen
     launch._IN_RANK = True
     launch._STATUS = status[rank]
     torch.set_num_threads(threads)
+    _use_agg()
     launch._join_group(rank, world_size, store_path, backend, GROUP_TIMEOUT_S)
     trace.reset(rank, epoch)
     comm.reset()
@@ -255,14 +289,14 @@ class Ranks:
         return "\n".join([f"the cell {what}:", *lines])
 
     def run_cell(self, code: str, ranks: tuple[int, ...], timeout: float) -> Cell:
-        """Run ``code`` on ``ranks``, print each rank's output and value, and return the cell's ledger."""
+        """Run ``code`` on ``ranks``, show each rank's output, value and figures, and return the cell's ledger."""
         cell = Cell(len(self.cells) + 1, ranks)
         filename = f"<ranks cell {cell.number}>"
         answers = self.ask(ranks, "cell", (code, filename), timeout)
         replies: dict[int, RankReply] = {r: answers[r][1] for r in ranks}
         cell.records = {r: reply.records for r, reply in replies.items()}
         self.cells.append(cell)
-        _show({r: (reply.out, reply.value) for r, reply in replies.items()})
+        _show(replies)
         print(ledger_line(cell.records))
         errors = {r: reply.error for r, reply in replies.items() if reply.error}
         if errors:
@@ -271,7 +305,7 @@ class Ranks:
 
     def get(self, name: str, timeout: float) -> list:
         answers = self.ask(tuple(range(self.world_size)), "get", name, timeout)
-        failed = [body for kind, body in answers.values() if kind == "error"]
+        failed = [answers[r][1] for r in sorted(answers) if answers[r][0] == "error"]
         if failed:
             raise CellError(failed[0])
         return [cloudpickle.loads(answers[r][1]) for r in range(self.world_size)]
@@ -292,14 +326,31 @@ def _grouped(by_rank: dict[int, object]) -> list[tuple[str, object]]:
     return [(_label([r]), t) for r, t in sorted(by_rank.items())]
 
 
-def _show(outputs: dict[int, tuple[str, str | None]]) -> None:
-    """Print each rank's output under its label, and its last value as ``Out:``; silent ranks print nothing."""
-    for label, (out, value) in _grouped(outputs):
-        if out or value is not None:
-            print(label)
-            print(out, end="" if out.endswith("\n") or not out else "\n")
-            if value is not None:
-                print(f"Out: {value}")
+def _show(replies: dict[int, RankReply]) -> None:
+    """Show each rank's output under its label, its last value as ``Out:`` and its figures as images; one block
+    when every rank printed the same (their figures then follow, each under its rank's label)."""
+    texts = {r: (reply.out, reply.value) for r, reply in replies.items()}
+    blocks = _grouped(texts)
+    if len(blocks) == 1 and len(replies) > 1:
+        _show_block(blocks[0][0], *blocks[0][1])
+        texts = dict.fromkeys(replies, ("", None))
+    for r, reply in sorted(replies.items()):
+        _show_block(_label([r]), *texts[r], reply.figures)
+
+
+def _show_block(label: str, out: str, value: str | None, figures: Sequence[bytes] = ()) -> None:
+    """``label``, then the output, the value and the figures under it; nothing at all when there are none."""
+    if not (out or value is not None or figures):
+        return
+    print(label)
+    print(out, end="" if out.endswith("\n") or not out else "\n")
+    if value is not None:
+        print(f"Out: {value}")
+    if figures:
+        from IPython.display import Image, display
+
+        for png in figures:
+            display(Image(data=png, format="png"))
 
 
 def _bytes(n: float) -> str:

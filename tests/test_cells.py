@@ -1,10 +1,12 @@
 """Distributed cells (course_lib.cells) driven through a real IPython kernel, as a notebook drives them.
 
-One kernel and one pair of ranks serve the whole module; the last test stops the ranks and shuts the kernel down.
+One kernel and one pair of ranks serve the whole module; the last tests stop the ranks, then restart the kernel with
+ranks running.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 import time
@@ -44,16 +46,18 @@ def live_descendants(root: int) -> list[int]:
 
 
 class Kernel:
-    """A kernel and a way to run one cell in it: its text output and its error, if any."""
+    """A kernel and a way to run one cell in it: its text output (an image shown as ``<image/png>``, its bytes kept
+    in ``pngs``) and its error, if any."""
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
         self.pid = self.manager.provisioner.process.pid
+        self.pngs: list[bytes] = []
 
     def run(self, code: str, timeout: float = 60.0) -> tuple[str, str | None]:
         msg_id = self.client.execute(code)
-        out, error = [], None
+        out, error, self.pngs = [], None, []
         while True:
             msg = self.client.get_iopub_msg(timeout=timeout)
             if msg["parent_header"].get("msg_id") != msg_id:
@@ -63,6 +67,9 @@ class Kernel:
                 out.append(content["text"])
             elif kind == "execute_result":
                 out.append(content["data"]["text/plain"] + "\n")
+            elif kind == "display_data" and "image/png" in content["data"]:
+                out.append("<image/png>\n")
+                self.pngs.append(base64.b64decode(content["data"]["image/png"]))
             elif kind == "error":
                 error = "\n".join(content["traceback"])
             elif kind == "status" and content["execution_state"] == "idle":
@@ -75,6 +82,12 @@ class Kernel:
 
     def live_descendants(self) -> list[int]:
         return live_descendants(self.pid)
+
+    def restart(self) -> None:
+        """Restart the kernel as Jupyter's restart button does: a shutdown request, then a new kernel process."""
+        self.manager.restart_kernel(now=False)
+        self.client.wait_for_ready(timeout=60)
+        self.pid = self.manager.provisioner.process.pid
 
     def shutdown(self, now: bool = True) -> None:
         self.client.stop_channels()
@@ -210,15 +223,42 @@ def test_bad_input_is_a_usage_error_before_any_rank_starts(kernel):
         assert "UsageError" in shown and says in shown, (line, shown)
 
 
-def test_stop_and_kernel_exit_leave_no_process(kernel):
-    """Last: counts the kernel's processes with ranks running, after %ranks stop, and after the kernel's exit."""
+def test_figures_drawn_on_ranks_show_under_each_rank(kernel):
+    """Each rank's open figure comes back as one PNG under its label, in rank order (rank 1's twice as wide); the
+    ranks draw with Agg (plt.show() does nothing there: the figure is sent when the cell ends) and keep no figure
+    open."""
+    out = kernel.ok(
+        "%%ranks\nimport matplotlib.pyplot as plt\nplt.figure(figsize=(2 + 2 * rank, 2))\nplt.plot([0, rank])\n"
+        "plt.show()\nprint('drawn')"
+    )
+    assert out == "[ranks 0,1]\ndrawn\n[rank 0]\n<image/png>\n[rank 1]\n<image/png>\ncomm: nothing communicated\n"
+    assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in kernel.pngs)
+    width = [int.from_bytes(png[16:20], "big") for png in kernel.pngs]  # the PNG header's width field
+    assert 1.5 * width[0] < width[1] < 2.5 * width[0], width
+    out = kernel.ok("%%ranks\n(plt.get_backend(), plt.get_fignums())")
+    assert out == "[ranks 0,1]\nOut: ('agg', [])\ncomm: nothing communicated\n"
+
+
+def wait_gone(pids: list[int], seconds: float = 5.0) -> list[int]:
+    """The processes among ``pids`` still alive after waiting up to ``seconds`` for all to end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_stop_leaves_no_process(kernel):
+    """Counts the kernel's processes with ranks running and after %ranks stop."""
     assert len(kernel.live_descendants()) == len(kernel.baseline) + WORLD
     kernel.ok("%ranks stop")
     assert kernel.live_descendants() == kernel.baseline
+
+
+def test_kernel_restart_leaves_no_process(kernel):
+    """Last: ranks running, the kernel restarted as Jupyter's button does it: its ranks and its forkserver end. A
+    shutdown is the same request to the kernel (only its ``restart`` flag differs), so this stands for both."""
     kernel.ok(f"%ranks start {WORLD}")
     pids = eval(kernel.ok("print(cells.session().pids)"))
-    kernel.shutdown(now=False)  # as Jupyter shuts a kernel down: a request, then its atexit handlers
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(p) for p in pids + kernel.baseline):
-        time.sleep(0.1)
-    assert not [p for p in pids + kernel.baseline if alive(p)]
+    assert len(kernel.live_descendants()) == len(kernel.baseline) + WORLD
+    kernel.restart()
+    assert not wait_gone(pids + kernel.baseline)

@@ -216,7 +216,7 @@ def _scattered(topology: Torus, group: Sequence[int], nbytes: float) -> float:
     src, dst = np.divmod(np.arange(n * n), n)
     src, dst = coords[src[src != dst]], coords[dst[src != dst]]
     hops = np.zeros(len(src), dtype=int)
-    legs = []  # per axis: (load per link, the message's line, direction, start, length)
+    legs = []  # per axis: the links each message crosses on it, hop by hop, and the load of every link
     for axis, k in enumerate(topology.shape):
         here = np.concatenate([dst[:, :axis], src[:, axis:]], axis=1)  # earlier axes already done
         ahead = (dst[:, axis] - src[:, axis]) % k
@@ -224,20 +224,26 @@ def _scattered(topology: Torus, group: Sequence[int], nbytes: float) -> float:
         length = np.where(forward, ahead, k - ahead)
         others = np.delete(here, axis, axis=1)
         line = np.ravel_multi_index(others.T, np.delete(shape, axis)) if others.shape[1] else np.zeros_like(ahead)
+        crossed = list(_hop_links(line, forward, src[:, axis], length, k))
         load = np.zeros((int(np.prod(np.delete(shape, axis))), 2, k), dtype=int)  # link p -> p +- 1, by p
-        for step in range(int(length.max(initial=0))):
-            on = length > step
-            at = (src[on, axis] + np.where(forward[on], step, -step)) % k
-            np.add.at(load, (line[on], (~forward[on]).astype(int), at), 1)
-        legs.append((load, line, forward, src[:, axis], length))
+        for _, link in crossed:
+            np.add.at(load, link, 1)
+        legs.append((crossed, load))
         hops += length
     busiest = np.zeros(len(src), dtype=int)
-    for (load, line, forward, start, length), k in zip(legs, topology.shape, strict=True):
-        for step in range(int(length.max(initial=0))):
-            on = length > step
-            at = (start[on] + np.where(forward[on], step, -step)) % k
-            busiest[on] = np.maximum(busiest[on], load[line[on], (~forward[on]).astype(int), at])
+    for crossed, load in legs:
+        for on, link in crossed:
+            busiest[on] = np.maximum(busiest[on], load[link])
     return float(np.max(hops * topology.hop_latency + nbytes / n * busiest / topology.link_bandwidth))
+
+
+def _hop_links(line: np.ndarray, forward: np.ndarray, start: np.ndarray, length: np.ndarray, k: int):
+    """Hop by hop along one torus axis: which messages still move (a mask) and the link each crosses, as an index
+    (line, direction, position the link leaves) into a table of that axis' links."""
+    for step in range(int(length.max(initial=0))):
+        on = length > step
+        at = (start[on] + np.where(forward[on], step, -step)) % k
+        yield on, (line[on], (~forward[on]).astype(int), at)
 
 
 def _fat_tree_all_to_all(topology: FatTree, group: Sequence[int], nbytes: float) -> float:

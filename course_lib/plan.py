@@ -514,6 +514,13 @@ def ep_degrees(model: Model, ranks: int) -> list[int]:
     return [ep for ep in _divisors(model.experts.routed) if ranks % ep == 0]
 
 
+def splits_heads(model: Model, tp: int) -> bool:
+    """TP ``tp`` splits the attention heads: it divides them, and each rank holds whole K/V heads or a copy of one
+    (it divides the K/V heads or is a multiple of them)."""
+    kv = model.kv_heads or model.heads
+    return not model.heads % tp and not (kv % tp and tp % kv)
+
+
 def layouts(
     model: Model,
     gpus: int,
@@ -531,8 +538,7 @@ def layouts(
     only without TP and PP). ``no_mp``: TP = CP = PP = EP = 1."""
     out = []
     for tp in _divisors(gpus_per_node):
-        kv = model.kv_heads or model.heads  # each TP rank holds whole K/V heads, or a copy of one
-        if model.heads % tp or (kv % tp and tp % kv) or gpus % tp or (no_mp and tp > 1):
+        if not splits_heads(model, tp) or gpus % tp or (no_mp and tp > 1):
             continue
         for cp in cp_degrees(model, gpus // tp) if context and not no_mp else [1]:
             for pp in _divisors(gpus // (tp * cp)):
@@ -983,7 +989,7 @@ def network(profile: HardwareProfile, gpus: int, gpus_per_node: int | None, topo
     topo = for_gpus(topology, gpus) if isinstance(topology, str) else topology
     if topo.n_gpus != gpus:
         raise ValueError(f"{topo.name} has {topo.n_gpus} GPUs, not the plan's {gpus}; give a topology of {gpus}")
-    return Network(profile, getattr(topo, "gpus_per_domain", topo.n_gpus), topo)
+    return Network(profile, profile.gpus_per_node, topo)  # with a topology, its domain replaces the nodes
 
 
 def _as_model(model: Model | str | float) -> Model:
@@ -1403,8 +1409,7 @@ def _topology_reason(p: Plan) -> str:
     topo = p.network.topology
     fast = [f"{axis.upper()} {g['size']}" for axis, g in p.placement.items() if not g["spans_nodes"]]
     slow = [f"{axis.upper()} {g['size']}" for axis, g in p.placement.items() if g["spans_nodes"]]
-    kv = p.model.kv_heads or p.model.heads
-    degrees = [t for t in _divisors(p.network.domain) if not p.model.heads % t and not (kv % t and t % kv)]
+    degrees = [t for t in _divisors(p.network.domain) if splits_heads(p.model, t)]
     if isinstance(topo, Torus):
         links = (
             f"a {'x'.join(map(str, topo.shape))} torus, every chip on {topo.link_bandwidth / 1e9:g} GB/s links to "

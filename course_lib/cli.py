@@ -1,4 +1,4 @@
-"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan and hardware.
+"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan, hardware and calibrate.
 
 Every command takes ``--json FILE`` (``-`` for standard output) to write its result as JSON.
 """
@@ -603,12 +603,17 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_hardware(args: argparse.Namespace) -> int:
-    from course_lib.hardware import PROFILES
+    from course_lib.hardware import PROFILES, measured_dir, measured_profiles
 
-    data = {name: {k: v for k, v in vars(p).items() if k != "name"} for name, p in PROFILES.items()}
+    measured = measured_profiles()
+    shown = PROFILES | {name: p for name, p in measured.items() if name not in PROFILES}
+    data = {name: {k: v for k, v in vars(p).items() if k != "name"} for name, p in shown.items()}
     _write_json(data, args.json)
-    for name, p in PROFILES.items():
-        _say(args, f"{name}: {p.description}")
+    for name, p in shown.items():
+        _say(
+            args,
+            f"{name}{' (measured, in ' + str(measured_dir()) + ')' if name not in PROFILES else ''}: {p.description}",
+        )
         _say(
             args,
             f"  peak bf16 {p.peak_flops['bf16'] / 1e12:g} TFLOP/s, fp32 {p.peak_flops['fp32'] / 1e12:g} TFLOP/s; "
@@ -626,6 +631,77 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         )
         for source in p.sources:
             _say(args, f"  source: {source}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from course_lib import calibrate
+    from course_lib.hardware import save_profile
+
+    try:
+        device = calibrate.resolve_device(args.device)
+        if args.name is not None:
+            calibrate.check_name(args.name)
+    except ValueError as err:
+        raise SystemExit(f"calibrate: {err}") from None
+    _say(args, f"measuring {device} ({calibrate.device_name(device)}) with torch {torch.__version__} ...")
+    measured = calibrate.measure(device, quick=args.quick)
+    profile = calibrate.as_profile(measured, args.name, args.links)
+    published = calibrate.published_match(measured)
+
+    def against(value: float, datasheet: float | None) -> str:
+        return (
+            f", {value / datasheet:.0%} of the {published.name} datasheet's {datasheet / 1e12:g}" if datasheet else ""
+        )
+
+    for key, rate in measured.matmul_flops.items():
+        sides = ", ".join(f"n={n}: {r / 1e12:.3g}" for n, r in measured.matmul_by_side[key].items())
+        peak = published.peak_flops[key] if published else None
+        _say(args, f"  matmul {key:<5} {rate / 1e12:8.3g} TFLOP/s at best ({sides}){against(rate, peak)}")
+    _say(
+        args,
+        f"  attention  {measured.attention_flops / 1e12:8.3g} TFLOP/s (scaled_dot_product_attention forward, bf16): "
+        f"{profile.attention_efficiency:.0%} of the bf16 matmul rate",
+    )
+    hbm = published.hbm_bandwidth if published else None
+    _say(
+        args,
+        f"  copy       {measured.memory_bandwidth / 1e9:8.4g} GB/s (read + write)"
+        f"{against(measured.memory_bandwidth, hbm)}; {measured.memory_bytes / 1e9:.3g} GB of memory",
+    )
+    try:
+        path = save_profile(profile, args.out)
+    except OSError as err:
+        raise SystemExit(f"calibrate: could not write the profile ({err.strerror or err}: {err.filename})") from None
+    use = profile.name if args.out is None else str(path)
+    _say(args, f"wrote the profile {profile.name} to {path}; use it with --hardware {use}")
+    _say(args, f"  its links are the {args.links} profile's: one device measures no link")
+    steps = [] if args.no_train else calibrate.compare_models(profile, device, quick=args.quick)
+    if steps:
+        _say(args, "a training step on this device, measured beside the modeled clock at the measured rates:")
+    for c in steps:
+        _say(
+            args,
+            f"  {c.label} ({c.cfg.layers} layers x {c.cfg.d_model}, seq {c.cfg.seq}, batch {c.batch}, {c.precision}): "
+            f"measured {c.measured_s * 1e3:.3g} ms; modeled {c.modeled_s * 1e3:.3g} ms, "
+            f"{c.measured_s / c.modeled_s:.3g}x less; roofline {c.roofline_s * 1e3:.3g} ms, "
+            f"{c.measured_s / c.roofline_s:.3g}x less",
+        )
+    if steps:
+        _say(
+            args, "  modeled: every counted FLOP at the matmul rate; roofline: element-wise work at the copy bandwidth"
+        )
+    _write_json(
+        {
+            "measured": asdict(measured),
+            "profile": asdict(profile),
+            "path": str(path),
+            "steps": [asdict(c) for c in steps],
+        },
+        args.json,
+    )
     return 0
 
 
@@ -1099,6 +1175,24 @@ def build_parser() -> argparse.ArgumentParser:
     hw.set_defaults(func=cmd_hardware)
 
     from course_lib.hardware import PROFILES
+
+    cal = sub.add_parser(
+        "calibrate", help="measure this GPU (or CPU) as a hardware profile and time a training step beside the model"
+    )
+    cal.add_argument("--device", help="cpu, cuda or cuda:N (default: the first GPU, else the CPU)")
+    cal.add_argument("--name", help="the profile's name (default: measured- and the device's model)")
+    cal.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the profile here (default: NAME.json in $COURSE_LIB_PROFILES "
+        "or ~/.course_lib/profiles, where --hardware NAME finds it)",
+    )
+    cal.add_argument(
+        "--links", choices=sorted(PROFILES), default="h100", help="whose links and nodes the profile takes"
+    )
+    cal.add_argument("--quick", action="store_true", help="small sizes, the tiny GPT only: about a second")
+    cal.add_argument("--no-train", action="store_true", help="measure only; train no GPT")
+    cal.set_defaults(func=cmd_calibrate)
     from course_lib.plan import PIPELINE_SCHEDULES, PRESETS
 
     pl = sub.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
@@ -1109,7 +1203,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=_positive_int, required=True)
     pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the hardware profile's")
     pl.add_argument("--gpu-mem-gb", type=_positive_float, help="memory per GPU (default: the hardware profile's)")
-    pl.add_argument("--hardware", choices=sorted(PROFILES), default="h100")
+    pl.add_argument(
+        "--hardware", default="h100", help=f"{', '.join(sorted(PROFILES))}, or a measured profile (default h100)"
+    )
     pl.add_argument(
         "--topology",
         metavar="NAME[:SIZE]",
@@ -1144,7 +1240,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     gp.set_defaults(func=cmd_goodput, parser=gp)
 
-    for p in (mem, run, demo, sch, hw, pl):
+    for p in (mem, run, demo, sch, hw, cal, pl):
         p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
         p.set_defaults(parser=p)
     return parser
@@ -1155,6 +1251,8 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     create the folders a plot goes into."""
     if args.json not in (None, "-"):
         _check_writable(parser, "--json", args.json)
+    if getattr(args, "out", None) is not None:
+        _check_writable(parser, "--out", args.out)
     plot = getattr(args, "plot", None)
     if plot:
         import matplotlib

@@ -26,13 +26,20 @@ Each profile also states what the planner's step-time model (:func:`course_lib.p
 beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
 and a fused attention kernel sustain in training (``MATMUL_EFFICIENCY``, ``ATTENTION_EFFICIENCY``) and its memory
 bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``.
+
+Beside the published profiles, a profile measured on a device by :mod:`course_lib.calibrate` is saved as JSON
+(:func:`save_profile`) in :func:`measured_dir` and found by :func:`get_profile` by its name, like the published.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from course_lib.comm import CommRecord
@@ -177,10 +184,58 @@ PROFILES = {
 }
 
 
+PROFILES_DIR_VARIABLE = "COURSE_LIB_PROFILES"
+
+
+def measured_dir() -> Path:
+    """Where measured profiles (:mod:`course_lib.calibrate`) are kept: ``$COURSE_LIB_PROFILES``, else
+    ``~/.course_lib/profiles``."""
+    return Path(os.environ.get(PROFILES_DIR_VARIABLE) or Path.home() / ".course_lib" / "profiles")
+
+
+def save_profile(profile: HardwareProfile, path: str | Path | None = None) -> Path:
+    """Write ``profile`` as JSON to ``path`` (default: ``NAME.json`` in :func:`measured_dir`); returns the path."""
+    target = Path(path) if path is not None else measured_dir() / f"{profile.name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(profile), indent=1) + "\n")
+    return target
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile written by :func:`save_profile`; a file that is not one is an error saying which."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return HardwareProfile(**{**data, "sources": tuple(data.get("sources", ()))})
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not a hardware profile ({err}); write one with: python -m course_lib calibrate"
+        ) from None
+
+
+def measured_profiles() -> dict[str, HardwareProfile]:
+    """The profiles in :func:`measured_dir`, by file name without ``.json`` (files that are not profiles are left
+    out)."""
+    found = {}
+    for path in sorted(measured_dir().glob("*.json")):
+        with contextlib.suppress(ValueError):
+            found[path.stem] = load_profile(path)
+    return found
+
+
 def get_profile(name: str) -> HardwareProfile:
-    if name not in PROFILES:
-        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES)} (python -m course_lib hardware)")
-    return PROFILES[name]
+    """A published profile (:data:`PROFILES`), a measured one by name (:func:`measured_profiles`), or a profile's
+    JSON file by path."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name.endswith(".json"):
+        return load_profile(name)
+    measured = measured_profiles()
+    if name not in measured:
+        mine = (
+            f", measured: {sorted(measured)}" if measured else " (measure this device: python -m course_lib calibrate)"
+        )
+        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES)}{mine}, or a profile's .json")
+    return measured[name]
 
 
 def ring_steps(op: str, n: int) -> int:

@@ -239,14 +239,16 @@ def run(
     return _run_local(fn, world_size, args, kwargs, backend, _Limits(timeout, stall_timeout), count_flops)
 
 
-def run_here(fn: Callable, *args, count_flops: bool = False, **kwargs) -> RunResult:
+def run_here(fn: Callable, *args, count_flops: bool = False, device: torch.device | None = None, **kwargs) -> RunResult:
     """Call ``fn`` as the one rank of a world of one, in this process: no process to start, so no wait for the
     rank server (``run single`` on the command line). A rank that hangs here hangs the caller; use :func:`run` where
-    that matters."""
+    that matters. ``device`` is the rank's device (:func:`rank_device`; default the CPU), put back afterwards."""
+    global _DEVICE
     if _IN_RANK or dist.is_initialized():
         raise RuntimeError("run_here() needs a process without a process group; call it from the top level")
-    started = time.perf_counter()
+    started, before = time.perf_counter(), _DEVICE
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _DEVICE = torch.device("cpu") if device is None else device
     try:
         trace.reset(0, started)
         comm.reset()
@@ -255,6 +257,7 @@ def run_here(fn: Callable, *args, count_flops: bool = False, **kwargs) -> RunRes
             [value], [comm.records()], [trace.events()], [trace.program()], "gloo", time.perf_counter() - started
         )
     finally:
+        _DEVICE = before
         dist.destroy_process_group()
 
 

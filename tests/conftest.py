@@ -33,6 +33,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item not in twice]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def measured_profiles_of_this_session(tmp_path_factory):
+    """Measured hardware profiles (``course-lib calibrate``) go to a folder of the test session's own, not to the
+    user's ``~/.course_lib/profiles``: no test sees a profile measured outside it, and none leaves one behind."""
+    from course_lib.hardware import PROFILES_DIR_VARIABLE
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PROFILES_DIR_VARIABLE, str(tmp_path_factory.mktemp("profiles")))
+        yield
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 
 

@@ -8,6 +8,7 @@ traceback), and that it took under 3 s. A few rows run as real subprocesses in `
 import time
 
 import pytest
+import torch
 
 from course_lib import cli
 
@@ -17,6 +18,8 @@ NOT_POSITIVE = ["0", "-1", "nan", "inf", "1.5", "x", ""]
 MIXED = ["run", "dp", "--precision", "mixed"]
 
 PLAN_405B = ["--preset", "llama3-405b", "--gpus", "16384", "--tp", "8", "--pp", "16", "--dp", "128"]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first CUDA device not here
+
 BAD = (
     # run: every whole-number flag refuses 0, negatives, NaN, infinity, fractions, words and nothing
     [
@@ -212,7 +215,7 @@ BAD = (
         (["plan", "--gpus", "8", "--params", "7e9", "--micro-batch", "-1"], "--micro-batch: must be a whole number"),
         (["plan", "--gpus", "8", "--params", "7e9", "--gpu-mem-gb", "0"], "--gpu-mem-gb: must be a finite number"),
         (["plan", "--gpus", "8", "--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node: must be a whole"),
-        (["plan", "--gpus", "8", "--params", "7e9", "--hardware", "tpu"], "invalid choice: 'tpu'"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--hardware", "tpu"], "unknown hardware 'tpu'"),
         (["plan", "--gpus", "8", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
         (["plan", "--gpus", "8", "--preset", "llama3-405b", "--params", "7e9"], "not both"),
         (["plan", "--gpus", "8", "--params", "1e15"], "plan: "),
@@ -220,8 +223,14 @@ BAD = (
         (["plan", *PLAN_405B, "--schedule", "zb-v"], "ZB-V on PP 16 needs at least 31 microbatches per DP rank"),
         (["plan", *PLAN_405B, "--schedule", "dualpipev", "--chunks", "2"], "DualPipeV fixes 2 chunks per rank"),
         (["plan", *PLAN_405B, "--global-batch", "4096", "--schedule", "zb-v", "--recompute", "full"], "no closed-form"),
-        # hardware and the command itself
+        # hardware, calibrate and the command itself
         (["hardware", "--json", "/nonexistent/h.json"], "does not exist"),
+        (["calibrate", "--device", "tpu"], "calibrate: unknown device 'tpu'; use cpu or cuda"),
+        (["calibrate", "--device", f"cuda:{GPUS}"], f"calibrate: no CUDA device {GPUS}: this machine has {GPUS}"),
+        (["calibrate", "--name", "a100"], "calibrate: cannot name a measured profile 'a100'"),
+        (["calibrate", "--name", "../laptop"], "calibrate: cannot name a measured profile '../laptop'"),
+        (["calibrate", "--links", "tpu"], "invalid choice: 'tpu'"),
+        (["calibrate", "--out", "/nonexistent/p.json"], "--out /nonexistent/p.json: the folder /nonexistent does not"),
         (["hardware", "--bogus"], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: command"),
         (["train"], "invalid choice: 'train'"),
@@ -231,7 +240,15 @@ BAD = (
 
 def test_the_table_is_large_and_covers_every_command():
     assert len(BAD) >= 100
-    assert {argv[0] for argv, _ in BAD if argv} >= {"run", "demo", "schedule", "memory", "plan", "hardware"}
+    assert {argv[0] for argv, _ in BAD if argv} >= {
+        "run",
+        "demo",
+        "schedule",
+        "memory",
+        "plan",
+        "hardware",
+        "calibrate",
+    }
 
 
 @pytest.mark.parametrize(("argv", "expected"), BAD, ids=[" ".join(a) or "(nothing)" for a, _ in BAD])

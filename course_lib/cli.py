@@ -806,9 +806,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     _say(
         args,
-        f"  memory per GPU {result.memory_per_gpu_bytes / 1e9:.1f} GB of {result.gpu_mem_bytes / 1e9:g} GB; "
+        f"  memory per GPU {result.memory_per_gpu_bytes / 1e9:.1f} GB of {result.gpu_mem_bytes / 1e9:.4g} GB; "
         f"bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s, "
-        f"{result.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {result.mfu:.1%}",
+        f"{result.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {result.mfu:.1%}",
     )
     _say(args, "  why:")
     for reason in result.reasons:
@@ -838,7 +838,7 @@ def _say_model(
         args,
         f"{model.name}: {model.params / 1e9:.1f}B parameters"
         + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
-        + f" on {gpus} GPUs ({where}, {gpu_mem / 1e9:g} GB each)",
+        + f" on {gpus} GPUs ({where}, {gpu_mem / 1e9:.4g} GB each)",
     )
 
 
@@ -883,7 +883,7 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
     )
     parts = ", ".join(f"{k} {c.memory[k] / 1e9:.3g}" for k in ("params", "grads", "optimizer", "activations"))
     verdict = "fits" if c.fits else f"does not fit, {(c.memory_per_gpu_bytes - gpu_mem) / 1e9:.1f} GB over"
-    _say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:g} GB ({parts}): {verdict}")
+    _say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:.4g} GB ({parts}): {verdict}")
     if c.memory["stage"] != "all":
         _say(args, f"    (on the {c.memory['stage']} pipeline stage, the busiest: its layers and one embedding matrix)")
     t = c.time
@@ -902,13 +902,13 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
     peak = profile.peak_flops[PEAK["mixed"]] / 1e12
     _say(
         args,
-        f"  model FLOPs (6N + causal attention) {c.model_flops:.3g} a step: {c.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+        f"  model FLOPs (6N + causal attention) {c.model_flops:.3g} a step: {c.tflops_per_gpu:.3g} TFLOP/s per GPU, "
         f"MFU {c.mfu:.1%} of {peak:g} TFLOP/s",
     )
     _say(
         args,
         f"  hardware FLOPs (as computed, with the recomputed forward) {c.hardware_flops:.3g}: "
-        f"{c.hardware_tflops_per_gpu:.0f} TFLOP/s per GPU, HFU {c.hfu:.1%}",
+        f"{c.hardware_tflops_per_gpu:.3g} TFLOP/s per GPU, HFU {c.hfu:.1%}",
     )
     return 0
 

@@ -160,7 +160,7 @@ def _rank_loop(rank: int, world_size: int, store_path: str, conn, status, backen
     launch._STATUS = status[rank]
     torch.set_num_threads(threads)
     _use_agg()
-    launch._join_group(rank, world_size, store_path, backend, GROUP_TIMEOUT_S)
+    launch._join_group(rank, world_size, store_path, backend, launch.compute_device(backend), GROUP_TIMEOUT_S)
     trace.reset(rank, epoch)
     comm.reset()
     comm.set_status_sink(launch._status_teller(status[rank]))

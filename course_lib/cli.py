@@ -459,6 +459,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg,
             train,
             backend=args.backend,
+            device=args.device,
             hardware=args.hardware,
             gpus_per_node=args.gpus_per_node,
             topology=args.topology,
@@ -486,7 +487,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     _say(
         args,
-        f"{args.scheme} on {world_size} {report['backend']} rank{'s' * (world_size != 1)}, {report['params']:,} "
+        f"{args.scheme} on {world_size} {report['backend']} rank{'s' * (world_size != 1)} ({report['device']}), "
+        f"{report['params']:,} "
         f"parameters ({shape}, "
         f"{cfg.seq} tokens, batch {train.batch}), "
         f"{args.dtype if train.precision is None else f'{train.precision} precision, {train.half}'}"
@@ -736,7 +738,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows, reports = [], []
     started = time.perf_counter()
     for name, n in sizes.items():  # single: 1 rank; 3d: its default 2 x 2 x 2 grid
-        run = run_scheme(name, n, cfgs[name], train, backend=args.backend, **_limits(args))
+        run = run_scheme(name, n, cfgs[name], train, backend=args.backend, device=args.device, **_limits(args))
         reports.append(run.report)
         r0 = run.report["ranks"][0]
         state = sum(r0["memory"][k] for k in CATEGORIES)
@@ -1060,6 +1062,11 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"global batch in sequences (default 8; {modeled['batch']} with --hardware)",
         )
         p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+        p.add_argument(
+            "--device",
+            choices=["cpu", "cuda"],
+            help="where the ranks compute (default: cuda under nccl, else cpu); gloo ranks on cuda share the GPUs",
+        )
         p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
         p.add_argument("--seed", type=_natural, default=0)
         p.add_argument(

@@ -16,6 +16,13 @@ send / recv        S / 0            the message
 =================  ===============  ==========================================
 
 (Patarasuk & Yuan 2009 for the ring all-reduce; NCCL-tests "PERFORMANCE.md" for bus bandwidth.)
+
+gloo moves host memory: of CUDA tensors it takes only all-reduce and broadcast (PyTorch's backend table), and NCCL
+refuses two ranks on one GPU. So that several gloo ranks can compute on one GPU, a collective over gloo on tensors
+outside host memory goes through host copies: the tensors are copied to the host, the collective runs on the
+copies, and the copies it wrote are copied back when it completes (at ``wait()`` for an async one). The record says
+so (``through_host``). :data:`THROUGH_HOST` sends every collective that way, on the CPU too, which is how the
+path is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from course_lib import trace
 
 ReduceOp = dist.ReduceOp
 Group = dist.ProcessGroup | None  # None: the whole world
+THROUGH_HOST = False  # True: every collective's tensors go through host copies, as CUDA tensors do under gloo
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -65,6 +73,7 @@ class CommRecord:
     async_op: bool = False
     peer: int | None = None
     tags: dict = field(default_factory=dict)
+    through_host: bool = False  # its tensors were copied to host memory and back (see the module's docstring)
 
 
 # told (what, group name, the collective's number on that group, whether the rank is now blocked in it)
@@ -120,14 +129,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Handle:
-    """An async collective in flight; :meth:`wait` blocks until it is done and closes its ledger record."""
+    """An async collective in flight; :meth:`wait` blocks until it is done, copies back what went through host
+    memory and closes its ledger record."""
 
-    def __init__(self, work, record: CommRecord, index: int, number: int, describe: str) -> None:
+    def __init__(self, work, record: CommRecord, index: int, number: int, describe: str, copy_back) -> None:
         self._work = work
         self._record = record
         self._index = index
         self._number = number
         self._describe = describe
+        self._copy_back = copy_back
         self._done = False
 
     def wait(self) -> None:
@@ -136,8 +147,36 @@ class Handle:
         trace.waiting(self._index)
         _tell(f"waiting for {self._describe}", self._record.group, self._number, blocked=True)
         self._work.wait()
+        self._copy_back()
         _finish(self._record, self._number, self._describe)
         self._done = True
+
+
+def _through_host(group: Group, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a collective on ``tensors`` goes through host copies: over gloo, with a tensor outside host memory
+    (or always, with :data:`THROUGH_HOST`)."""
+    if not tensors:
+        return False
+    return THROUGH_HOST or (
+        any(t.device.type != "cpu" for t in tensors) and dist.get_backend(group) == dist.Backend.GLOO
+    )
+
+
+def _staged(
+    group: Group, tensors: Sequence[torch.Tensor], written: Sequence[int]
+) -> tuple[Sequence[torch.Tensor], Callable[[], None] | None]:
+    """The tensors the collective runs on, and what copies its results back (None when nothing is staged): host
+    copies of ``tensors`` when they go through host memory, the ``written`` ones copied back into the originals."""
+    if not _through_host(group, tensors):
+        return tensors, None
+    copies = [t.detach().to("cpu", copy=True) for t in tensors]
+
+    def copy_back() -> None:
+        with torch.no_grad():
+            for i in written:
+                tensors[i].copy_(copies[i])
+
+    return copies, copy_back
 
 
 def _tell(status: str, group: str, number: int, blocked: bool) -> None:
@@ -155,12 +194,17 @@ def _call(
     op: str,
     group: dist.ProcessGroup | None,
     tensor_bytes: int,
-    issue: Callable[[], object],
+    issue: Callable[..., object],
     async_op: bool,
+    tensors: Sequence[torch.Tensor] = (),
+    written: Sequence[int] = (),
     peer: int | None = None,
     sent_bytes: float | None = None,
 ) -> Handle | None:
+    """Record the call, then ``issue(*tensors)``; ``written`` are the indices of the tensors it writes (both are
+    what :func:`_staged` needs to run it on host copies)."""
     n = dist.get_world_size(group)
+    run_on, copy_back = _staged(group, tensors, written)
     if group is None:
         members = range(dist.get_world_size())
     else:
@@ -177,6 +221,7 @@ def _call(
         async_op=async_op,
         peer=peer,
         tags=trace.current_tags(),
+        through_host=copy_back is not None,
     )
     _LEDGER.records.append(rec)
     index = len(_LEDGER.records) - 1
@@ -187,10 +232,12 @@ def _call(
     if not async_op:
         trace.waiting(index)
     _tell(f"in {describe}", rec.group, number, blocked=not async_op)
-    work = issue()
+    work = issue(*run_on)
+    copy_back = copy_back or (lambda: None)
     if async_op:
         _tell(f"issued {describe}", rec.group, number, blocked=False)
-        return Handle(work, rec, index, number, describe)
+        return Handle(work, rec, index, number, describe, copy_back)
+    copy_back()
     _finish(rec, number, describe)
     return None
 
@@ -199,7 +246,15 @@ def all_reduce(
     tensor: torch.Tensor, op: dist.ReduceOp = ReduceOp.SUM, group: Group = None, async_op: bool = False
 ) -> Handle | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
-    return _call("all_reduce", group, _nbytes(tensor), lambda: dist.all_reduce(tensor, op, group, async_op), async_op)
+    return _call(
+        "all_reduce",
+        group,
+        _nbytes(tensor),
+        lambda t: dist.all_reduce(t, op, group, async_op),
+        async_op,
+        (tensor,),
+        (0,),
+    )
 
 
 def reduce_scatter(
@@ -214,21 +269,37 @@ def reduce_scatter(
         "reduce_scatter",
         group,
         _nbytes(input),
-        lambda: dist.reduce_scatter_single(output, input, op, group, async_op),
+        lambda out, inp: dist.reduce_scatter_single(out, inp, op, group, async_op),
         async_op,
+        (output, input),
+        (0,),
     )
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False) -> Handle | None:
     """Concatenate every rank's ``input`` along dim 0 into ``output`` on every rank."""
     return _call(
-        "all_gather", group, _nbytes(output), lambda: dist.all_gather_single(output, input, group, async_op), async_op
+        "all_gather",
+        group,
+        _nbytes(output),
+        lambda out, inp: dist.all_gather_single(out, inp, group, async_op),
+        async_op,
+        (output, input),
+        (0,),
     )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Handle | None:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
-    return _call("broadcast", group, _nbytes(tensor), lambda: dist.broadcast(tensor, src, group, async_op), async_op)
+    return _call(
+        "broadcast",
+        group,
+        _nbytes(tensor),
+        lambda t: dist.broadcast(t, src, group, async_op),
+        async_op,
+        (tensor,),
+        (0,),
+    )
 
 
 def all_to_all(
@@ -249,30 +320,32 @@ def all_to_all(
         "all_to_all",
         group,
         _nbytes(input),
-        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op),
+        lambda out, inp: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group, async_op),
         async_op,
+        (output, input),
+        (0,),
         sent_bytes=float((rows - kept_rows) * row_bytes),
     )
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking)."""
-    _call("send", group, _nbytes(tensor), lambda: dist.send(tensor, dst, group), False, peer=dst)
+    _call("send", group, _nbytes(tensor), lambda t: dist.send(t, dst, group), False, (tensor,), peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> None:
     """Receive into ``tensor`` from global rank ``src`` (blocking)."""
-    _call("recv", group, _nbytes(tensor), lambda: dist.recv(tensor, src, group), False, peer=src)
+    _call("recv", group, _nbytes(tensor), lambda t: dist.recv(t, src, group), False, (tensor,), (0,), peer=src)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> Handle:
     """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing the tensor."""
-    return _call("send", group, _nbytes(tensor), lambda: dist.isend(tensor, dst, group), True, peer=dst)
+    return _call("send", group, _nbytes(tensor), lambda t: dist.isend(t, dst, group), True, (tensor,), peer=dst)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> Handle:
     """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` the handle before reading it."""
-    return _call("recv", group, _nbytes(tensor), lambda: dist.irecv(tensor, src, group), True, peer=src)
+    return _call("recv", group, _nbytes(tensor), lambda t: dist.irecv(t, src, group), True, (tensor,), (0,), peer=src)
 
 
 def barrier(group: Group = None) -> None:

@@ -11,7 +11,8 @@ for its device.
   script without an ``if __name__ == "__main__":`` guard works: ranks never re-import the caller's main module.
   The processes meet at a file store in a fresh temporary file (removed after the run, so two runs never collide).
   Each rank uses ``max(1, cores // world_size)`` threads. Backend: gloo on CPU, NCCL when CUDA has at least
-  ``world_size`` devices (rank r on ``cuda:r``).
+  ``world_size`` devices (rank r on ``cuda:r``). ``device="cuda"`` puts gloo ranks on GPUs too, several to a GPU
+  if need be (:func:`compute_device`; their collectives go through host memory, :mod:`course_lib.comm`).
 * Under torchrun (RANK and WORLD_SIZE set) ``fn`` runs in place on this rank and the results of all ranks are
   gathered, so the same rank function serves notebooks, tests and multi-node GPU jobs.
 
@@ -73,15 +74,19 @@ class RunResult(list):
 
     ``comm[r]`` is rank r's list of :class:`course_lib.comm.CommRecord`, ``events[r]`` its timeline
     (:class:`course_lib.trace.Event`), ``programs[r]`` its program (compute, issue, wait; see
-    :mod:`course_lib.trace`), ``wall_s`` the seconds from launch to the last result.
+    :mod:`course_lib.trace`), ``wall_s`` the seconds from launch to the last result, ``device`` what the ranks
+    computed on (``cpu`` or ``cuda``, :func:`compute_device`).
     """
 
-    def __init__(self, values, comm_records, events, programs, backend: str, wall_s: float) -> None:
+    def __init__(
+        self, values, comm_records, events, programs, backend: str, wall_s: float, device: str = "cpu"
+    ) -> None:
         super().__init__(values)
         self.comm = comm_records
         self.events = events
         self.programs = programs
         self.backend = backend
+        self.device = device
         self.world_size = len(values)
         self.wall_s = wall_s
 
@@ -124,7 +129,8 @@ _PAYLOAD_LOCK = threading.Lock()
 
 
 def rank_device() -> torch.device:
-    """The device this rank computes on (``cuda:<local rank>`` under NCCL, else CPU)."""
+    """The device this rank computes on: ``cuda:<local rank modulo the GPUs>`` when :func:`compute_device` put the ranks
+    on CUDA (always under NCCL), else the CPU."""
     return _DEVICE
 
 
@@ -156,6 +162,29 @@ def sync(device: torch.device) -> None:
     """Wait until the device has finished its queued work (a no-op on CPU); call it before reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def compute_device(backend: str, device: str | None = None) -> str:
+    """Where ranks compute: ``cpu``, or ``cuda`` (local rank r on GPU r modulo the GPUs). By default CUDA under
+    NCCL and the CPU under gloo. gloo ranks may compute on CUDA too, several to a GPU: their collectives then go
+    through host memory (:mod:`course_lib.comm`). NCCL ranks compute on their GPUs only."""
+    if device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' needs a CUDA GPU, and this machine has none: use device 'cpu'")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("NCCL ranks compute on their GPUs: use backend 'gloo' for ranks on the CPU")
+    return device
+
+
+def _set_device(placed: str, local_rank: int) -> None:
+    """Make this rank compute where :func:`compute_device` put it."""
+    global _DEVICE
+    if placed == "cuda":
+        _DEVICE = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(_DEVICE)
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -213,9 +242,13 @@ def run(
     stall_timeout: float = 20.0,
     max_ranks: int | None = None,
     count_flops: bool = False,
+    device: str | None = None,
     **kwargs,
 ) -> RunResult:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their values in rank order.
+
+    ``device`` is where the ranks compute, ``cpu`` or ``cuda`` (default: CUDA under NCCL, else the CPU;
+    :func:`compute_device`): with gloo and ``cuda``, several ranks may share one GPU.
 
     ``timeout`` (seconds) bounds the whole run: a rank still running then is reported and killed.
     ``stall_timeout`` (seconds): once a rank has waited that long in a collective that another rank has not reached
@@ -232,11 +265,12 @@ def run(
     if _IN_RANK:
         raise RuntimeError("run() was called inside a rank function; launch ranks from the top level only")
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops)
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops, device)
     backend = resolve_backend(backend, world_size)
+    placed = compute_device(backend, device)
     if backend == "gloo":
         check_world_size(world_size, max_ranks)
-    return _run_local(fn, world_size, args, kwargs, backend, _Limits(timeout, stall_timeout), count_flops)
+    return _run_local(fn, world_size, args, kwargs, backend, placed, _Limits(timeout, stall_timeout), count_flops)
 
 
 def run_here(fn: Callable, *args, count_flops: bool = False, device: torch.device | None = None, **kwargs) -> RunResult:
@@ -254,7 +288,13 @@ def run_here(fn: Callable, *args, count_flops: bool = False, device: torch.devic
         comm.reset()
         value = _call(fn, args, kwargs, count_flops)
         return RunResult(
-            [value], [comm.records()], [trace.events()], [trace.program()], "gloo", time.perf_counter() - started
+            [value],
+            [comm.records()],
+            [trace.events()],
+            [trace.program()],
+            "gloo",
+            time.perf_counter() - started,
+            _DEVICE.type,
         )
     finally:
         _DEVICE = before
@@ -289,8 +329,7 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     return dist.PrefixStore(f"course_lib/attempt-{torchrun_restart()}", store)
 
 
-def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops) -> RunResult:
-    global _DEVICE
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_flops, device) -> RunResult:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(
@@ -300,9 +339,8 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        _DEVICE = torch.device("cuda", local_rank)
-        torch.cuda.set_device(_DEVICE)
+    placed = compute_device(backend, device)
+    _set_device(placed, local_rank)
     if not dist.is_initialized():
         rank, pg_timeout = int(os.environ["RANK"]), timedelta(seconds=timeout)
         store = _attempt_store(rank, env_world, pg_timeout)
@@ -317,7 +355,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, _ledgers(value))
     values, records, events, programs = (list(x) for x in zip(*gathered, strict=True))
-    return RunResult(values, records, events, programs, backend, time.perf_counter() - started)
+    return RunResult(values, records, events, programs, backend, time.perf_counter() - started, placed)
 
 
 # ----------------------------------------------------------------------------------------------- local ranks
@@ -373,7 +411,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flops) -> RunResult:
+def _run_local(fn, world_size, args, kwargs, backend, placed: str, limits: _Limits, count_flops) -> RunResult:
     ctx = context()
     payload = _payload(fn, args, kwargs)
     # Rendezvous through a file, not a TCP store hosted here: a rank's first connection to such a store was now and
@@ -400,6 +438,7 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
                     child_conn,
                     status,
                     backend,
+                    placed,
                     limits.timeout,
                     epoch,
                     threads,
@@ -418,7 +457,8 @@ def _run_local(fn, world_size, args, kwargs, backend, limits: _Limits, count_flo
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
-    return RunResult(list(values), list(records), list(events), list(programs), backend, time.perf_counter() - epoch)
+    wall_s = time.perf_counter() - epoch
+    return RunResult(list(values), list(records), list(events), list(programs), backend, wall_s, placed)
 
 
 def _collect(ranks: list[_RankState], deadline: float, limits: _Limits, status, store_path: str) -> None:
@@ -736,12 +776,9 @@ def _status_teller(mine: _RankStatus) -> comm.StatusSink:
     return tell
 
 
-def _join_group(rank: int, world_size: int, store_path: str, backend: str, timeout: float) -> None:
+def _join_group(rank: int, world_size: int, store_path: str, backend: str, placed: str, timeout: float) -> None:
     """Set this rank's device and join the process group at the file store; return once every rank has joined."""
-    global _DEVICE
-    if backend == "nccl":
-        _DEVICE = torch.device("cuda", rank)
-        torch.cuda.set_device(_DEVICE)
+    _set_device(placed, rank)
     # The launcher's deadline, not gloo's, decides when a hang is reported, so the collectives wait longer.
     pg_timeout = timedelta(seconds=timeout + 30)
     store = dist.FileStore(store_path, world_size)
@@ -755,7 +792,7 @@ def _join_group(rank: int, world_size: int, store_path: str, backend: str, timeo
 
 
 def _rank_main(
-    rank, world_size, store_path, payload, conn, status, backend, timeout, epoch, threads, count_flops
+    rank, world_size, store_path, payload, conn, status, backend, placed, timeout, epoch, threads, count_flops
 ) -> None:
     global _IN_RANK, _STATUS
     _die_with_parent()
@@ -767,7 +804,7 @@ def _rank_main(
     torch.set_num_threads(threads)
     _STATUS = status[rank]
     try:
-        _join_group(rank, world_size, store_path, backend, timeout)
+        _join_group(rank, world_size, store_path, backend, placed, timeout)
         trace.reset(rank, epoch)
         comm.reset()
         comm.set_status_sink(_status_teller(_STATUS))

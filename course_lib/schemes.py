@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from course_lib import checkpoint, comm, launch, precision
@@ -119,6 +120,7 @@ def run_scheme(
     cfg: GPTConfig = GPTConfig(),
     train: TrainConfig = TrainConfig(),
     backend: str = "auto",
+    device: str | None = None,
     timeout: float = 120.0,
     hardware: str | None = None,
     gpus_per_node: int | None = None,
@@ -136,7 +138,9 @@ def run_scheme(
     checkpoint_async: bool = False,
     **options,
 ) -> SchemeRun:
-    """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`; with ``hardware``
+    """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`, the ranks computing
+    on ``device`` (``cpu`` or ``cuda``; default: CUDA under NCCL, else the CPU, as
+    :func:`course_lib.launch.compute_device` says: gloo ranks on ``cuda`` share the GPUs there are); with ``hardware``
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with ``topology``
     too (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod"`` or ``"tpu-v5p:4x4x4"``),
     time its collectives on that topology's links, with ``algorithm`` forced where it can run
@@ -219,7 +223,8 @@ def run_scheme(
     if in_process:
         if world_size != 1:
             raise ValueError(f"in_process runs one rank, not {world_size}; use the launcher for more")
-        result = launch.run_here(rank_fn, cfg, train, count_flops=profile is not None, **options)
+        placed = torch.device(launch.compute_device("gloo", device))
+        result = launch.run_here(rank_fn, cfg, train, count_flops=profile is not None, device=placed, **options)
         reference = train_reference(cfg, train, model=options.get("model"))
     else:
         result = launch.run(
@@ -232,6 +237,7 @@ def run_scheme(
             stall_timeout=stall_timeout,
             max_ranks=max_ranks,
             count_flops=profile is not None,
+            device=device,
             **options,
         )
         reference = reference_run(cfg, train, options.get("model"))
@@ -261,6 +267,7 @@ def run_scheme(
         "scheme": spec.name,
         "world_size": world_size,
         "backend": result.backend,
+        "device": result.device,
         "dtype": train.dtype,
         "options": {k: f"{v.__module__}.{v.__qualname__}" if callable(v) else v for k, v in options.items()},
         "params": count_params(build_model(cfg, train, options.get("model"))),

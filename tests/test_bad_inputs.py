@@ -223,6 +223,8 @@ BAD = (
         (["plan", *PLAN_405B, "--schedule", "zb-v"], "ZB-V on PP 16 needs at least 31 microbatches per DP rank"),
         (["plan", *PLAN_405B, "--schedule", "dualpipev", "--chunks", "2"], "DualPipeV fixes 2 chunks per rank"),
         (["plan", *PLAN_405B, "--global-batch", "4096", "--schedule", "zb-v", "--recompute", "full"], "no closed-form"),
+        (["run", "dp", "--device", "tpu"], "invalid choice: 'tpu'"),
+        *([(["run", "dp", "--device", "cuda"], "run dp: device 'cuda' needs a CUDA GPU")] if GPUS == 0 else []),
         # hardware, calibrate and the command itself
         (["hardware", "--json", "/nonexistent/h.json"], "does not exist"),
         (["calibrate", "--device", "tpu"], "calibrate: unknown device 'tpu'; use cpu or cuda"),

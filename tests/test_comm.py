@@ -43,15 +43,31 @@ def every_collective():
             comm.recv(msg, 0)
         out["p2p"] = msg.tolist()
 
-        h = comm.all_reduce(torch.ones(ELEMS), async_op=True)
+        reply = torch.full((5,), float(r))
+        if r == 0:
+            comm.irecv(reply, 1).wait()
+        elif r == 1:
+            comm.isend(reply, 0).wait()
+        out["async_p2p"] = reply.tolist()
+
+        ones = torch.ones(ELEMS)
+        h = comm.all_reduce(ones, async_op=True)
         h.wait()
         h.wait()  # a second wait is harmless
+        out["async_all_reduce"] = ones.tolist()
     return out
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_collective_computes_and_records_ring_bytes(n):
-    result = launch.run(every_collective, n)
+@pytest.mark.parametrize(("n", "through_host"), [(2, False), (4, False), (4, True)])
+def test_every_collective_computes_and_records_ring_bytes(n, through_host):
+    """Also with every tensor sent through host copies (comm.THROUGH_HOST), the path CUDA tensors take over gloo:
+    the same results, the same bytes, and every record saying so."""
+    fn = (
+        launch.with_setting(every_collective, "course_lib.comm", "THROUGH_HOST", True)
+        if through_host
+        else every_collective
+    )
+    result = launch.run(fn, n)
     S = ELEMS * 4
     chunk = ELEMS // n
     for r, (out, recs) in enumerate(zip(result, result.comm, strict=True)):
@@ -63,6 +79,10 @@ def test_every_collective_computes_and_records_ring_bytes(n):
         assert out["all_to_all"] == [float(r * chunk + i + 100 * src) for src in range(n) for i in range(chunk)]
         if r == 1:
             assert out["p2p"] == [0.0] * 5
+        if r == 0:
+            assert out["async_p2p"] == [1.0] * 5
+        assert out["async_all_reduce"] == [float(n)] * ELEMS
+        assert all(rec.through_host == through_host for rec in recs)
 
         sent = {(rec.op, rec.async_op): rec.sent_bytes for rec in recs}
         assert sent[("all_reduce", False)] == 2 * (n - 1) / n * S

@@ -115,6 +115,7 @@ def attention_rate(device: torch.device, dtype: torch.dtype, shape: tuple[int, i
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and the threads torch uses on it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = next(
@@ -133,6 +134,7 @@ def _cpuinfo() -> list[str]:
 
 
 def device_memory(device: torch.device) -> float:
+    """Bytes of memory: the GPU's own, or the machine's."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -162,13 +162,17 @@ def _through_host(group: Group, tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
+def _nothing_to_copy_back() -> None:
+    """The copy-back of a collective that ran on its own tensors."""
+
+
 def _staged(
     group: Group, tensors: Sequence[torch.Tensor], written: Sequence[int]
-) -> tuple[Sequence[torch.Tensor], Callable[[], None] | None]:
-    """The tensors the collective runs on, and what copies its results back (None when nothing is staged): host
-    copies of ``tensors`` when they go through host memory, the ``written`` ones copied back into the originals."""
+) -> tuple[Sequence[torch.Tensor], Callable[[], None]]:
+    """The tensors the collective runs on, and what copies its results back: host copies of ``tensors`` when they
+    go through host memory, the ``written`` ones copied back into the originals; else ``tensors`` themselves."""
     if not _through_host(group, tensors):
-        return tensors, None
+        return tensors, _nothing_to_copy_back
     copies = [t.detach().to("cpu", copy=True) for t in tensors]
 
     def copy_back() -> None:
@@ -221,7 +225,7 @@ def _call(
         async_op=async_op,
         peer=peer,
         tags=trace.current_tags(),
-        through_host=copy_back is not None,
+        through_host=run_on is not tensors,
     )
     _LEDGER.records.append(rec)
     index = len(_LEDGER.records) - 1
@@ -233,7 +237,6 @@ def _call(
         trace.waiting(index)
     _tell(f"in {describe}", rec.group, number, blocked=not async_op)
     work = issue(*run_on)
-    copy_back = copy_back or (lambda: None)
     if async_op:
         _tell(f"issued {describe}", rec.group, number, blocked=False)
         return Handle(work, rec, index, number, describe, copy_back)

@@ -1,8 +1,8 @@
 """Measure the device at hand and write it as a hardware profile of the modeled clock; then compare the clock's
 compute with a measured training step on that device.
 
-The published profiles (:data:`course_lib.hardware.PROFILES`) take a GPU's datasheet peak and a stated fraction of
-it. Here each number is measured on the device this process sees (a CUDA GPU or the CPU):
+The published profiles (:data:`course_lib.cluster.profiles.PROFILES`) take a GPU's datasheet peak and a stated
+fraction of it. Here each number is measured on the device this process sees (a CUDA GPU or the CPU):
 
 * matrix-multiply throughput per precision: square ``n x n`` products, 2n^3 FLOPs each, over several ``n``; the
   best rate is kept, as the "maximum achievable matmul FLOPS" search does (Bekman, *Machine Learning Engineering*,
@@ -14,7 +14,8 @@ it. Here each number is measured on the device this process sees (a CUDA GPU or 
 A measured profile takes the measured matmul rate as its peak, so its ``matmul_efficiency`` is 1: it is the
 ceiling a training step's matrix multiplies approach, not what they sustain (:func:`compare_step` shows the gap).
 One device measures no link, so the links are those of a published profile (``links``), and the profile says so.
-:func:`course_lib.hardware.save_profile` writes it where :func:`course_lib.hardware.get_profile` finds it by name.
+:func:`course_lib.cluster.profiles.save_profile` writes it where :func:`course_lib.cluster.profiles.get_profile`
+finds it by name.
 
 :func:`compare_step` trains a GPT on the device (the ``single`` scheme, in this process), times its steps, and
 replays its program on a measured profile: the modeled clock charges every counted FLOP, element-wise ones too, at
@@ -38,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import launch
-from course_lib.hardware import PROFILES, HardwareProfile, get_profile, replay
+from course_lib.cluster.clock import replay
+from course_lib.cluster.profiles import PROFILES, HardwareProfile, get_profile
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.trace import Compute
 
@@ -190,7 +192,7 @@ def default_name(measured: Measured) -> str:
 
 def check_name(name: str) -> str:
     """``name`` if a measured profile may have it: a file name of letters, digits, '.', '_' and '-' that is not a
-    published profile's (which :func:`course_lib.hardware.get_profile` would find first)."""
+    published profile's (which :func:`course_lib.cluster.profiles.get_profile` would find first)."""
     if name in PROFILES or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ValueError(
             f"cannot name a measured profile {name!r}: use letters, digits, '.', '_' and '-', and not a published "
@@ -255,7 +257,7 @@ def compare_step(
     The step is timed without FLOP counting (its dispatch hook slows every operator), as the median gap between
     consecutive steps' starts, the first step (warm-up) and the last (under the memory meter) left out; each step
     ends by waiting for the device, so on a GPU the gap is the device's time too. A second run of three steps
-    counts the FLOPs; its middle step is replayed (:func:`course_lib.hardware.replay`)."""
+    counts the FLOPs; its middle step is replayed (:func:`course_lib.cluster.clock.replay`)."""
     from course_lib.schemes import SCHEMES
 
     if train.steps < 3:

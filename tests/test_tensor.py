@@ -190,7 +190,8 @@ def test_sizes_that_do_not_divide_are_named(cfg, t, scheme, message):
 
 
 def test_a_tensor_parallel_group_across_nodes_pays_the_bandwidth_ratio():
-    from course_lib.hardware import PROFILES, replay, ring_steps
+    from course_lib.cluster.clock import replay, ring_steps
+    from course_lib.cluster.profiles import PROFILES
 
     run = run_scheme("tp", 4, train=TrainConfig(steps=1), hardware="h100", gpus_per_node=4)
     h100 = PROFILES["h100"]

@@ -28,7 +28,7 @@ The profiles it runs on (peaks, links, the measured ones) are :mod:`course_lib.c
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from course_lib import collectives
@@ -182,7 +182,6 @@ def replay(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
     rate = profile.peak_flops[precision] * efficiency
-    n = len(programs)
     keys, members = _match(records)
     if topology is None:
         if gpus is not None or algorithm is not None:
@@ -190,34 +189,67 @@ def replay(
         per_node = gpus_per_node or profile.gpus_per_node
         if per_node < 1:
             raise ValueError(f"gpus_per_node must be at least 1, not {per_node}")
-        timed: dict = {}
+        seconds = _on_nodes(profile, per_node, records, members)
     else:
         if gpus_per_node is not None:
             raise ValueError("the topology says which GPUs share a node; drop gpus_per_node (place ranks with gpus)")
-        topo, placed = resolve_topology(topology, n, algorithm, gpus)
+        topo, placed = resolve_topology(topology, len(programs), algorithm, gpus)
         per_node = getattr(topo, "gpus_per_domain", None)
         timed = _time_all(topo, placed, records, members, algorithm)
+        seconds = {key: t.time_s for key, t in timed.items()}.__getitem__
+    events, blocked = _simulate(programs, records, keys, rate, seconds)
+    chosen = _last_step(programs) if step == -1 else step
+    stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
+    makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
+    ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(len(programs))]
+    if topology is None:
+        return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
+    in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
+    placement = _placement(topo, placed, records, members)
+    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step, placement)
+
+
+def _on_nodes(
+    profile: HardwareProfile, per_node: int, records: list[list[CommRecord]], members: dict
+) -> Callable[[tuple], float]:
+    """Without a topology, a collective's seconds by its key: what its busiest member sends, over the slowest link
+    of its group when ranks fill nodes of ``per_node`` in order (:func:`link`, :func:`collective_time`)."""
+
+    def seconds(key: tuple) -> float:
+        ranks = key[0][1:]
+        bandwidth, latency, _ = link(profile, ranks, per_node)
+        sent = max(records[r][i].sent_bytes for r, i in members[key].items())
+        op = records[ranks[0]][members[key][ranks[0]]].op
+        return collective_time(op, sent, len(ranks), bandwidth, latency)
+
+    return seconds
+
+
+def _simulate(
+    programs: list[list],
+    records: list[list[CommRecord]],
+    keys: list[list[tuple]],
+    rate: float,
+    seconds: Callable[[tuple], float],
+) -> tuple[list[list[Event]], list[list[tuple]]]:
+    """The discrete-event run (module docstring): compute at ``rate`` FLOP/s on each rank's clock; a collective
+    starts once every member issued it and its group's previous one is done, and lasts ``seconds(key)``; a wait
+    blocks until its collective is done. Each rank's events, and its blocked spans as (tags, wait start, data start,
+    end); a rank left waiting for a collective some member never issued is a RuntimeError naming it."""
+    n = len(programs)
     arrived: dict = defaultdict(dict)  # key -> {rank: time it issued}
     done: dict = {}  # key -> (start, end) of the data movement
     group_free: dict = defaultdict(float)  # a group's collectives run one after another
     clock, pc = [0.0] * n, [0] * n
     events: list[list[Event]] = [[] for _ in range(n)]
-    blocked: list[list[tuple]] = [[] for _ in range(n)]  # (tags, wait start, data start, end)
+    blocked: list[list[tuple]] = [[] for _ in range(n)]
 
     def try_start(key) -> None:
         group = key[0]
-        ranks = group[1:]
-        if len(arrived[key]) < len(ranks):
+        if len(arrived[key]) < len(group[1:]):
             return
-        if topology is None:
-            bandwidth, latency, _ = link(profile, ranks, per_node)
-            sent = max(records[r][i].sent_bytes for r, i in members[key].items())
-            op = records[ranks[0]][members[key][ranks[0]]].op
-            seconds = collective_time(op, sent, len(ranks), bandwidth, latency)
-        else:
-            seconds = timed[key].time_s
         start = max(max(arrived[key].values()), group_free[group])
-        done[key] = (start, start + seconds)
+        done[key] = (start, start + seconds(key))
         group_free[group] = done[key][1]
 
     progress = True
@@ -227,9 +259,9 @@ def replay(
             while pc[r] < len(programs[r]):
                 entry = programs[r][pc[r]]
                 if isinstance(entry, Compute):
-                    seconds = (entry.flops + entry.elementwise) / rate
-                    events[r].append(Event(r, entry.kind, entry.kind, clock[r], clock[r] + seconds, entry.tags))
-                    clock[r] += seconds
+                    took = (entry.flops + entry.elementwise) / rate
+                    events[r].append(Event(r, entry.kind, entry.kind, clock[r], clock[r] + took, entry.tags))
+                    clock[r] += took
                 elif isinstance(entry, Issue):
                     arrived[keys[r][entry.record]][r] = clock[r]
                     try_start(keys[r][entry.record])
@@ -254,15 +286,7 @@ def replay(
             + "; ".join(f"rank {r} waits for {w.op} on {w.group} {w.ranks}" for r, w in waits.items())
             + ", which some member never issued"
         )
-    chosen = _last_step(programs) if step == -1 else step
-    stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
-    makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
-    ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(n)]
-    if topology is None:
-        return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
-    in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
-    placement = _placement(topo, placed, records, members)
-    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step, placement)
+    return events, blocked
 
 
 def _placement(topology: Topology, placed: list[int], records: list[list[CommRecord]], members: dict) -> dict:

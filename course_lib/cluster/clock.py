@@ -38,7 +38,7 @@ from course_lib.topology import FatTree, Topology, Torus, Where, from_spec
 from course_lib.trace import Compute, Event, Issue, Wait
 
 
-def ring_steps(op: str, n: int) -> int:
+def ring_latency_steps(op: str, n: int) -> int:
     """Latency terms a collective pays: n-1 steps per reduce-scatter or all-gather half (a ring), n-1 for an
     all-to-all (one message to each of the n-1 peers), one per message."""
     if op in ("send", "recv"):
@@ -57,14 +57,14 @@ def link(profile: HardwareProfile, ranks, gpus_per_node: int) -> tuple[float, fl
 
 
 def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_steps`).
+    """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_latency_steps`).
 
     For a ring collective the bytes are the ring's (:func:`course_lib.comm.ring_factor`). For an all-to-all they
     are what the rank sends to its n-1 peers (uneven under routing: the ledger records each rank's own rows sent to
     others, and :func:`replay` times the group by its busiest sender); the group's slowest link bounds it, so an
     all-to-all whose group spans nodes runs at the inter-node bandwidth (GShard, Lepikhin et al. 2021, §3.2;
     DeepSeek-V3 §3.2.2: across nodes over InfiniBand, 3.2x slower than NVLink on H800s)."""
-    return sent_bytes / bandwidth + ring_steps(op, n) * latency
+    return sent_bytes / bandwidth + ring_latency_steps(op, n) * latency
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Measure the device at hand and write it as a hardware profile of the modeled clock; then compare the clock's
 compute with a measured training step on that device.
 
-The published profiles (:data:`course_lib.hardware.PROFILES`) take a GPU's datasheet peak and a stated fraction of
-it. Here each number is measured on the device this process sees (a CUDA GPU or the CPU):
+The published profiles (:data:`course_lib.cluster.profiles.PROFILES`) take a GPU's datasheet peak and a stated
+fraction of it. Here each number is measured on the device this process sees (a CUDA GPU or the CPU):
 
 * matrix-multiply throughput per precision: square ``n x n`` products, 2n^3 FLOPs each, over several ``n``; the
   best rate is kept, as the "maximum achievable matmul FLOPS" search does (Bekman, *Machine Learning Engineering*,
@@ -14,9 +14,11 @@ it. Here each number is measured on the device this process sees (a CUDA GPU or 
 A measured profile takes the measured matmul rate as its peak, so its ``matmul_efficiency`` is 1: it is the
 ceiling a training step's matrix multiplies approach, not what they sustain (:func:`compare_step` shows the gap).
 One device measures no link, so the links are those of a published profile (``links``), and the profile says so.
-:func:`course_lib.hardware.save_profile` writes it where :func:`course_lib.hardware.get_profile` finds it by name.
+:func:`course_lib.cluster.profiles.save_profile` writes it where :func:`course_lib.cluster.profiles.get_profile`
+finds it by name.
 
-:func:`compare_step` trains a GPT on the device (the ``single`` scheme, in this process), times its steps, and
+:func:`compare_step` trains a GPT on the device (the ``single`` scheme's rank function,
+:func:`course_lib.parallel.data.train_data_parallel`, in this process), times its steps, and
 replays its program on a measured profile: the modeled clock charges every counted FLOP, element-wise ones too, at
 the matmul rate; a roofline variant charges the element-wise work at the memory bandwidth instead (three element
 accesses per output element: two read, one written, an assumption). Both sit beside the measured step time.
@@ -38,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import launch
-from course_lib.hardware import PROFILES, HardwareProfile, get_profile, replay
+from course_lib.cluster.clock import replay
+from course_lib.cluster.profiles import PROFILES, HardwareProfile, get_profile
 from course_lib.models import GPTConfig, TrainConfig
+from course_lib.parallel.data import train_data_parallel
 from course_lib.trace import Compute
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -190,7 +194,7 @@ def default_name(measured: Measured) -> str:
 
 def check_name(name: str) -> str:
     """``name`` if a measured profile may have it: a file name of letters, digits, '.', '_' and '-' that is not a
-    published profile's (which :func:`course_lib.hardware.get_profile` would find first)."""
+    published profile's (which :func:`course_lib.cluster.profiles.get_profile` would find first)."""
     if name in PROFILES or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ValueError(
             f"cannot name a measured profile {name!r}: use letters, digits, '.', '_' and '-', and not a published "
@@ -255,9 +259,7 @@ def compare_step(
     The step is timed without FLOP counting (its dispatch hook slows every operator), as the median gap between
     consecutive steps' starts, the first step (warm-up) and the last (under the memory meter) left out; each step
     ends by waiting for the device, so on a GPU the gap is the device's time too. A second run of three steps
-    counts the FLOPs; its middle step is replayed (:func:`course_lib.hardware.replay`)."""
-    from course_lib.schemes import SCHEMES
-
+    counts the FLOPs; its middle step is replayed (:func:`course_lib.cluster.clock.replay`)."""
     if train.steps < 3:
         raise ValueError(
             f"compare_step times the steps between the first and the last: give steps >= 3, not {train.steps}"
@@ -266,11 +268,12 @@ def compare_step(
     if key not in DTYPES:
         raise ValueError("a profile has bf16 and fp32 rates: train in float32, or in mixed precision with bf16")
     dev = resolve_device(device)
-    rank_fn = SCHEMES["single"].train
-    events = launch.run_here(rank_fn, cfg, train, device=dev).events[0]
+    events = launch.run_here(train_data_parallel, cfg, train, device=dev).events[0]
     starts = [min(e.start for e in events if e.tags.get("step") == s) for s in range(train.steps)]
     measured_s = statistics.median(b - a for a, b in zip(starts[1:-1], starts[2:], strict=True))
-    counted = launch.run_here(rank_fn, cfg, dataclasses.replace(train, steps=3), device=dev, count_flops=True)
+    counted = launch.run_here(
+        train_data_parallel, cfg, dataclasses.replace(train, steps=3), device=dev, count_flops=True
+    )
     modeled = replay(counted.programs, counted.comm, profile, efficiency=1.0, precision=key, step=1)
     step = [c for c in counted.programs[0] if isinstance(c, Compute) and c.tags.get("step") == 1]
     flops, elementwise = sum(c.flops for c in step), sum(c.elementwise for c in step)

@@ -33,7 +33,7 @@ def simulate(topology: Topology, steps: Sequence[Sequence[Message]]) -> float:
     return total
 
 
-def ring_steps(group: Sequence[int], nbytes: float, op: str = "all_reduce") -> list[list[Message]]:
+def ring_schedule(group: Sequence[int], nbytes: float, op: str = "all_reduce") -> list[list[Message]]:
     """Every rank sends a 1/n chunk to the next rank of the group, n-1 times per half (two halves: all-reduce)."""
     n = len(group)
     halves = 2 if op == "all_reduce" else 1
@@ -90,7 +90,7 @@ def steps_for(topology: Topology, op: str, algorithm: str, group: Sequence[int],
     """The message schedule of ``algorithm`` running ``op`` (the algorithms of :data:`collectives.ALGORITHMS`)."""
     group = topology.check_group(group)
     if algorithm == "ring":
-        return ring_steps(group, nbytes, op)
+        return ring_schedule(group, nbytes, op)
     if algorithm == "tree":
         return tree_steps(group, nbytes, op)
     if algorithm == "hierarchical":

@@ -2,7 +2,7 @@
 
 By default, the modeled clock's two levels (lessons 00 and 06): nodes of ``gpus_per_node`` GPUs with the hardware
 profile's NVLink and network rates, every collective a ring on its group's slowest link, as
-:func:`course_lib.hardware.collective_time` times it, the planner's rank-0 groups standing for all of their axis
+:func:`course_lib.cluster.clock.collective_time` times it, the planner's rank-0 groups standing for all of their axis
 (with nodes of a size that divides the groups, or that they divide, every group of an axis sits alike).
 
 With a ``topology`` (:mod:`course_lib.topology`), rank r on GPU r (the planner numbers ranks as the mesh does, TP
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from course_lib import collectives
+from course_lib.cluster.clock import collective_time, link
+from course_lib.cluster.profiles import HardwareProfile
 from course_lib.comm import ring_factor
-from course_lib.hardware import HardwareProfile, collective_time, link
 from course_lib.topology import FatTree, Topology, Torus, Where
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ A topology is a directed graph: GPUs are the integers 0..n-1, switches are named
   total rate). Rail-optimized: GPU i of every node shares leaf i ("rail" i), as in NVIDIA's DGX SuperPOD; a
   message between different rails of different nodes goes up through the spine (NCCL's PXN, which first moves it
   over NVLink to the GPU on the destination's rail, is not modeled).
-  Today's two-level node/network of :mod:`course_lib.hardware` is a fat-tree with one leaf (:func:`two_level`).
+  Today's two-level node/network of :mod:`course_lib.cluster.clock` is a fat-tree with one leaf (:func:`two_level`).
 * :class:`Torus`: chips on a 2D/3D grid with wrap-around links to their neighbours, routed dimension by dimension,
   the shorter way around each ring (ties: the positive way), as TPU pods are (Jouppi et al. 2023, "TPU v4: An
   Optically Reconfigurable Supercomputer for Machine Learning", ISCA; Google Cloud TPU v4 and v5p docs).
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
 
-from course_lib.hardware import PROFILES as HARDWARE
-from course_lib.hardware import HardwareProfile
+from course_lib.cluster.profiles import PROFILES as HARDWARE
+from course_lib.cluster.profiles import HardwareProfile
 
 Endpoint = int | tuple  # a GPU's index, or a switch's name
 
@@ -303,7 +303,7 @@ def two_level(profile: HardwareProfile, nodes: int) -> FatTree:
         "nic_bandwidth": profile.inter_bandwidth,
         "nic_latency": profile.inter_latency_s / 2,
     }
-    source = f"course_lib.hardware.PROFILES[{profile.name!r}]: " + "; ".join(profile.sources)
+    source = f"course_lib.cluster.profiles.PROFILES[{profile.name!r}]: " + "; ".join(profile.sources)
     return FatTree(
         name=f"{profile.name} x{nodes} (two-level)",
         domains=nodes,

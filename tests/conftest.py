@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def measured_profiles_of_this_session(tmp_path_factory):
     """Measured hardware profiles (``course-lib calibrate``) go to a folder of the test session's own, not to the
     user's ``~/.course_lib/profiles``: no test sees a profile measured outside it, and none leaves one behind."""
-    from course_lib.hardware import PROFILES_DIR_VARIABLE
+    from course_lib.cluster.profiles import PROFILES_DIR_VARIABLE
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(PROFILES_DIR_VARIABLE, str(tmp_path_factory.mktemp("profiles")))

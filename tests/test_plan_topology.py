@@ -7,7 +7,7 @@ neighbouring chips)."""
 import pytest
 
 from course_lib.cli import main
-from course_lib.hardware import PROFILES
+from course_lib.cluster.profiles import PROFILES
 from course_lib.mesh import axis_groups
 from course_lib.network import Network
 from course_lib.plan import evaluate_layout, groups, plan

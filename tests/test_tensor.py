@@ -190,13 +190,14 @@ def test_sizes_that_do_not_divide_are_named(cfg, t, scheme, message):
 
 
 def test_a_tensor_parallel_group_across_nodes_pays_the_bandwidth_ratio():
-    from course_lib.hardware import PROFILES, replay, ring_steps
+    from course_lib.cluster.clock import replay, ring_latency_steps
+    from course_lib.cluster.profiles import PROFILES
 
     run = run_scheme("tp", 4, train=TrainConfig(steps=1), hardware="h100", gpus_per_node=4)
     h100 = PROFILES["h100"]
     inside = run.modeled
     across = replay(run.result.programs, run.result.comm, "h100", gpus_per_node=2)
-    steps = sum(ring_steps(r.op, 4) for r in run.result.comm[0] if r.tags.get("step") == 0)
+    steps = sum(ring_latency_steps(r.op, 4) for r in run.result.comm[0] if r.tags.get("step") == 0)
     bandwidth_inside = inside.ranks[0].comm_s - steps * h100.intra_latency_s
     bandwidth_across = across.ranks[0].comm_s - steps * h100.inter_latency_s
     assert bandwidth_across == pytest.approx(bandwidth_inside * h100.intra_bandwidth / h100.inter_bandwidth, rel=1e-9)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from course_lib import launch
-from course_lib.hardware import replay
+from course_lib.cluster.clock import replay
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, within_capacity
 from course_lib.parallel.three_d import predict_axis_traffic

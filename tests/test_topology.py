@@ -4,8 +4,8 @@ profiles' sources, and bad input."""
 import pytest
 
 from course_lib import collectives, linksim, topology
-from course_lib.hardware import PROFILES as HARDWARE
-from course_lib.hardware import collective_time, link
+from course_lib.cluster.clock import collective_time, link
+from course_lib.cluster.profiles import PROFILES as HARDWARE
 from course_lib.topology import FatTree, Torus
 
 SIZES = (1e3, 1e6, 1e9)  # latency-bound to bandwidth-bound

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from course_lib import collectives, placement, topology
+from course_lib.cluster.clock import replay
+from course_lib.cluster.profiles import PROFILES
 from course_lib.comm import CommRecord
-from course_lib.hardware import PROFILES, replay
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.schemes import run_scheme
 from course_lib.trace import Issue, Wait

@@ -27,7 +27,7 @@ previous rank and the receive of the gradient of the block it sent on, the atten
 runs, and :class:`PostRing` waits. So autograd differentiates the blockwise attention and the merge as ordinary
 operators, and dK/dV travel the ring backwards: per layer and per pass N-1 messages of 2 x (b, s/N, h), the backward
 exactly mirroring the forward, each in flight while the rank computes (the program records the compute between
-each Issue and its Wait, so :func:`course_lib.hardware.replay` hides it). The price of this design against Liu et
+each Issue and its Wait, so :func:`course_lib.cluster.clock.replay` hides it). The price of this design against Liu et
 al.'s own backward (which re-circulates K/V instead): each rank keeps every K/V block it received for backward, the
 whole sequence's K and V, as the all-gather variant does too. The all-gather variant's backward is a reduce-scatter
 of the gathered blocks' gradients to their owners.

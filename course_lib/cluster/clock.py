@@ -22,223 +22,23 @@ Per rank the replay reports, for one step, the modeled timeline (the same event 
 time, compute, comm (time its collectives were moving data), exposed comm (time blocked while data moved), idle
 (time blocked waiting for other ranks) and the bubble fraction idle / step time.
 
-Each profile also states what the planner's step-time model (:func:`course_lib.plan.step_time`) assumes of the GPU
-beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
-and a fused attention kernel sustain in training (``MATMUL_EFFICIENCY``, ``ATTENTION_EFFICIENCY``) and its memory
-bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``.
-
-Beside the published profiles, a profile measured on a device by :mod:`course_lib.calibrate` is saved as JSON
-(:func:`save_profile`) in :func:`measured_dir` and found by :func:`get_profile` by its name, like the published.
+The profiles it runs on (peaks, links, the measured ones) are :mod:`course_lib.cluster.profiles`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+from course_lib import collectives
+from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.comm import CommRecord
+from course_lib.topology import FatTree, Topology, Torus, Where, from_spec
 from course_lib.trace import Compute, Event, Issue, Wait
 
-if TYPE_CHECKING:  # course_lib.topology imports this module's profiles
-    from course_lib.topology import Topology, Where
 
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """One kind of node; bandwidths are per GPU and per direction, in bytes/s."""
-
-    name: str
-    description: str
-    peak_flops: dict  # dense, by precision ("bf16", "fp32")
-    memory_bytes: float
-    gpus_per_node: int
-    intra_bandwidth: float
-    intra_latency_s: float
-    inter_bandwidth: float
-    inter_latency_s: float
-    matmul_efficiency: float  # fraction of the dense peak a training step's large matrix multiplies sustain
-    attention_efficiency: float  # fraction of the dense peak a fused (FlashAttention-style) attention kernel sustains
-    hbm_bandwidth: float  # bytes/s of the GPU's own memory, what the element-wise kernels stream through
-    sources: tuple[str, ...] = field(default=())
-
-
-# What the planner's step-time model (course_lib.plan.step_time) assumes of a GPU beside its datasheet, one number per
-# GPU generation for every layout and model, none fitted to a published row (course_lib.published holds the check).
-#
-# matmul_efficiency: the fraction of the dense peak a training step's matrix multiplies sustain. A100: 0.63, what the
-# model needs to give Narayanan et al. 2021's Table 2 row for GPT-3 175B on 384 A100s (153 TFLOP/s per GPU, batch
-# 1536, micro-batch 1, model-parallel 96 = TP 8 x PP 12, DP 4: 384 microbatches, so a bubble of 1-3% whatever the
-# schedule): 0.627 interleaved, 0.637 1F1B. That row is from the same paper, code and cluster as Table 1 but not one
-# of the rows validated against. Cross-check: Korthikanti et al. 2022's Table 4 (one layer of a 22B GPT on 8 A100s,
-# 19.6 to 27.2 ms with and without recompute) gives 0.68-0.74 with the 2022 code, about 9% faster than 2021's: their
-# Table 5's full-recompute 1T iteration (94.42 s, 512 microbatches as in Table 1's 1T row) is 56.8% of peak by eq. (3)
-# against Table 1's 52%. H100: no measurement of its own independent of Llama 3's Table 4 was found; the A100's
-# fraction scaled by the two GPUs' measured matmul ceilings (the largest BF16 matmul throughput found by a shape
-# search, "MAMF": A100 SXM 85.9%, H100 SXM 80.1% of peak; Bekman, ml-engineering, compute/accelerator/README.md):
-# 0.63 x 80.1 / 85.9 = 0.59. The H800 has the H100's compute; the L40S, unmeasured, is taken as the A100.
-MATMUL_EFFICIENCY = {"a100": 0.63, "h100": 0.59, "h800": 0.59, "pcie": 0.63}
-# attention_efficiency: the fraction of the dense peak a fused attention kernel sustains. FlashAttention-2: 50-73% on
-# A100 (Dao 2023, abstract; the low end, 0.5, taken), 35% on H100 (Shah et al. 2024, FlashAttention-3, abstract).
-ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h800": 0.35, "pcie": 0.5}
-
-TIME_MODEL_ASSUMPTIONS = (
-    "Compute: matrix multiplies at the profile's matmul_efficiency of its dense peak; fused attention at its "
-    "attention_efficiency (attention that writes its scores to memory runs as matrix multiplies); element-wise "
-    "kernels at the datasheet memory bandwidth, hbm_bandwidth; one after the other on a GPU.",
-    "Collectives at the link's bandwidth per GPU and direction (intra_bandwidth inside a node, inter_bandwidth across "
-    "nodes) plus a latency per ring step (collective_time).",
-    "Not overlapped with compute: TP's all-reduces (or SP's all-gathers and reduce-scatters), pipeline sends and "
-    "receives, expert parallelism's all-to-alls.",
-    "Overlapped: a CP ring step with the attention of the block it holds; DP's gradient reduction (ZeRO-0 and 1) with "
-    "the last microbatch's backward, ZeRO-2's with the whole backward, ZeRO-3's gathers and reductions with all the "
-    "compute; ZeRO-1 and 2's all-gather of the updated weights after the step is not.",
-    "Pipeline: every stage runs at the pace of the slowest (a full stage, or the last with the output head); the "
-    "bubble is the schedule's idle over busy time times a stage's work, compute and its TP, CP and EP traffic.",
-)
-
-PROFILES = {
-    "h100": HardwareProfile(
-        name="h100",
-        description="DGX H100: 8x H100 SXM5 80 GB, NVLink 4 / NVSwitch, one 400 Gb/s NDR InfiniBand NIC per GPU",
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
-        memory_bytes=80e9,
-        gpus_per_node=8,
-        intra_bandwidth=450e9,  # NVLink 4: 900 GB/s per GPU, both directions together
-        intra_latency_s=2e-6,
-        inter_bandwidth=50e9,  # 400 Gb/s ConnectX-7 per GPU
-        inter_latency_s=5e-6,
-        matmul_efficiency=MATMUL_EFFICIENCY["h100"],
-        attention_efficiency=ATTENTION_EFFICIENCY["h100"],
-        hbm_bandwidth=3.35e12,  # HBM3
-        sources=(
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP32 67 TFLOPS, 80 GB HBM3 at "
-            "3.35 TB/s, NVLink 900 GB/s)",
-            "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s InfiniBand for the compute fabric)",
-        ),
-    ),
-    "h800": HardwareProfile(
-        name="h800",
-        description="8x H800 SXM5 80 GB (the H100's export variant: same compute, NVLink cut to 400 GB/s), one "
-        "400 Gb/s InfiniBand NIC per GPU: DeepSeek-V3's cluster",
-        peak_flops={"bf16": 989e12, "fp32": 67e12},  # the H100 SXM5's dense peaks: same die and clocks
-        memory_bytes=80e9,
-        gpus_per_node=8,
-        intra_bandwidth=160e9,  # what DeepSeek-V3 reports achieving over NVLink, per GPU
-        intra_latency_s=2e-6,
-        inter_bandwidth=50e9,  # 400 Gb/s per GPU, as DeepSeek-V3 reports it: NVLink is 3.2x faster
-        inter_latency_s=5e-6,
-        matmul_efficiency=MATMUL_EFFICIENCY["h800"],
-        attention_efficiency=ATTENTION_EFFICIENCY["h800"],
-        hbm_bandwidth=3.35e12,  # HBM3, as the H100
-        sources=(
-            "DeepSeek-AI 2024 (DeepSeek-V3 technical report), §3.2.2: 2,048 H800 GPUs, 8 per node over NVLink and "
-            "NVSwitch, InfiniBand between nodes; NVLink 160 GB/s vs IB 50 GB/s, about 3.2x",
-            "H800 SXM5: the H100 SXM5's compute (BF16 989 TFLOPS dense, FP32 67 TFLOPS) and 80 GB HBM3, NVLink "
-            "400 GB/s",
-        ),
-    ),
-    "a100": HardwareProfile(
-        name="a100",
-        description="DGX A100: 8x A100 SXM4 80 GB, NVLink 3 / NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU",
-        peak_flops={"bf16": 312e12, "fp32": 19.5e12},
-        memory_bytes=80e9,
-        gpus_per_node=8,
-        intra_bandwidth=300e9,  # NVLink 3: 600 GB/s per GPU, both directions together
-        intra_latency_s=2e-6,
-        inter_bandwidth=25e9,  # 200 Gb/s ConnectX-6 per GPU
-        inter_latency_s=5e-6,
-        matmul_efficiency=MATMUL_EFFICIENCY["a100"],
-        attention_efficiency=ATTENTION_EFFICIENCY["a100"],
-        hbm_bandwidth=2.039e12,  # HBM2e
-        sources=(
-            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, HBM2e "
-            "2,039 GB/s, NVLink 600 GB/s)",
-            "NVIDIA DGX A100 user guide (8x ConnectX-6 200 Gb/s HDR InfiniBand)",
-        ),
-    ),
-    "pcie": HardwareProfile(
-        name="pcie",
-        description="8x L40S 48 GB on PCIe Gen4 x16 (no NVLink), two 100 Gb/s Ethernet ports per node",
-        peak_flops={"bf16": 362e12, "fp32": 91.6e12},
-        memory_bytes=48e9,
-        gpus_per_node=8,
-        intra_bandwidth=32e9,  # PCIe Gen4 x16: 64 GB/s both directions together
-        intra_latency_s=3e-6,
-        inter_bandwidth=25e9 / 8,  # 2 x 100 Gb/s per node, shared by 8 GPUs (an assumed, common build)
-        inter_latency_s=10e-6,
-        matmul_efficiency=MATMUL_EFFICIENCY["pcie"],
-        attention_efficiency=ATTENTION_EFFICIENCY["pcie"],
-        hbm_bandwidth=0.864e12,  # GDDR6
-        sources=(
-            "NVIDIA L40S datasheet (BF16 362 TFLOPS dense, FP32 91.6 TFLOPS, 48 GB GDDR6 at 864 GB/s, PCIe Gen4 "
-            "x16 64 GB/s)",
-            "Latencies of all three profiles: assumed, of the order of NCCL-tests small-message times",
-        ),
-    ),
-}
-
-
-PROFILES_DIR_VARIABLE = "COURSE_LIB_PROFILES"
-
-
-def measured_dir() -> Path:
-    """Where measured profiles (:mod:`course_lib.calibrate`) are kept: ``$COURSE_LIB_PROFILES``, else
-    ``~/.course_lib/profiles``."""
-    return Path(os.environ.get(PROFILES_DIR_VARIABLE) or Path.home() / ".course_lib" / "profiles")
-
-
-def save_profile(profile: HardwareProfile, path: str | Path | None = None) -> Path:
-    """Write ``profile`` as JSON to ``path`` (default: ``NAME.json`` in :func:`measured_dir`); returns the path."""
-    target = Path(path) if path is not None else measured_dir() / f"{profile.name}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(asdict(profile), indent=1) + "\n")
-    return target
-
-
-def load_profile(path: str | Path) -> HardwareProfile:
-    """A profile written by :func:`save_profile`; a file that is not one is an error saying which."""
-    try:
-        data = json.loads(Path(path).read_text())
-        return HardwareProfile(**{**data, "sources": tuple(data.get("sources", ()))})
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"{path} is not a hardware profile ({err}); write one with: python -m course_lib calibrate"
-        ) from None
-
-
-def measured_profiles() -> dict[str, HardwareProfile]:
-    """The profiles in :func:`measured_dir`, by file name without ``.json`` (files that are not profiles are left
-    out)."""
-    found = {}
-    for path in sorted(measured_dir().glob("*.json")):
-        with contextlib.suppress(ValueError):
-            found[path.stem] = load_profile(path)
-    return found
-
-
-def get_profile(name: str) -> HardwareProfile:
-    """A published profile (:data:`PROFILES`), a measured one by name (:func:`measured_profiles`), or a profile's
-    JSON file by path."""
-    if name in PROFILES:
-        return PROFILES[name]
-    if name.endswith(".json"):
-        return load_profile(name)
-    measured = measured_profiles()
-    if name not in measured:
-        mine = (
-            f", measured: {sorted(measured)}" if measured else " (measure this device: python -m course_lib calibrate)"
-        )
-        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES)}{mine}, or a profile's .json")
-    return measured[name]
-
-
-def ring_steps(op: str, n: int) -> int:
+def ring_latency_steps(op: str, n: int) -> int:
     """Latency terms a collective pays: n-1 steps per reduce-scatter or all-gather half (a ring), n-1 for an
     all-to-all (one message to each of the n-1 peers), one per message."""
     if op in ("send", "recv"):
@@ -257,14 +57,14 @@ def link(profile: HardwareProfile, ranks, gpus_per_node: int) -> tuple[float, fl
 
 
 def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_steps`).
+    """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_latency_steps`).
 
     For a ring collective the bytes are the ring's (:func:`course_lib.comm.ring_factor`). For an all-to-all they
     are what the rank sends to its n-1 peers (uneven under routing: the ledger records each rank's own rows sent to
     others, and :func:`replay` times the group by its busiest sender); the group's slowest link bounds it, so an
     all-to-all whose group spans nodes runs at the inter-node bandwidth (GShard, Lepikhin et al. 2021, §3.2;
     DeepSeek-V3 §3.2.2: across nodes over InfiniBand, 3.2x slower than NVLink on H800s)."""
-    return sent_bytes / bandwidth + ring_steps(op, n) * latency
+    return sent_bytes / bandwidth + ring_latency_steps(op, n) * latency
 
 
 @dataclass(frozen=True)
@@ -382,7 +182,6 @@ def replay(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
     rate = profile.peak_flops[precision] * efficiency
-    n = len(programs)
     keys, members = _match(records)
     if topology is None:
         if gpus is not None or algorithm is not None:
@@ -390,34 +189,67 @@ def replay(
         per_node = gpus_per_node or profile.gpus_per_node
         if per_node < 1:
             raise ValueError(f"gpus_per_node must be at least 1, not {per_node}")
-        timed: dict = {}
+        seconds = _on_nodes(profile, per_node, records, members)
     else:
         if gpus_per_node is not None:
             raise ValueError("the topology says which GPUs share a node; drop gpus_per_node (place ranks with gpus)")
-        topo, placed = resolve_topology(topology, n, algorithm, gpus)
+        topo, placed = resolve_topology(topology, len(programs), algorithm, gpus)
         per_node = getattr(topo, "gpus_per_domain", None)
         timed = _time_all(topo, placed, records, members, algorithm)
+        seconds = {key: t.time_s for key, t in timed.items()}.__getitem__
+    events, blocked = _simulate(programs, records, keys, rate, seconds)
+    chosen = _last_step(programs) if step == -1 else step
+    stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
+    makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
+    ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(len(programs))]
+    if topology is None:
+        return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
+    in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
+    placement = _placement(topo, placed, records, members)
+    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step, placement)
+
+
+def _on_nodes(
+    profile: HardwareProfile, per_node: int, records: list[list[CommRecord]], members: dict
+) -> Callable[[tuple], float]:
+    """Without a topology, a collective's seconds by its key: what its busiest member sends, over the slowest link
+    of its group when ranks fill nodes of ``per_node`` in order (:func:`link`, :func:`collective_time`)."""
+
+    def seconds(key: tuple) -> float:
+        ranks = key[0][1:]
+        bandwidth, latency, _ = link(profile, ranks, per_node)
+        sent = max(records[r][i].sent_bytes for r, i in members[key].items())
+        op = records[ranks[0]][members[key][ranks[0]]].op
+        return collective_time(op, sent, len(ranks), bandwidth, latency)
+
+    return seconds
+
+
+def _simulate(
+    programs: list[list],
+    records: list[list[CommRecord]],
+    keys: list[list[tuple]],
+    rate: float,
+    seconds: Callable[[tuple], float],
+) -> tuple[list[list[Event]], list[list[tuple]]]:
+    """The discrete-event run (module docstring): compute at ``rate`` FLOP/s on each rank's clock; a collective
+    starts once every member issued it and its group's previous one is done, and lasts ``seconds(key)``; a wait
+    blocks until its collective is done. Each rank's events, and its blocked spans as (tags, wait start, data start,
+    end); a rank left waiting for a collective some member never issued is a RuntimeError naming it."""
+    n = len(programs)
     arrived: dict = defaultdict(dict)  # key -> {rank: time it issued}
     done: dict = {}  # key -> (start, end) of the data movement
     group_free: dict = defaultdict(float)  # a group's collectives run one after another
     clock, pc = [0.0] * n, [0] * n
     events: list[list[Event]] = [[] for _ in range(n)]
-    blocked: list[list[tuple]] = [[] for _ in range(n)]  # (tags, wait start, data start, end)
+    blocked: list[list[tuple]] = [[] for _ in range(n)]
 
     def try_start(key) -> None:
         group = key[0]
-        ranks = group[1:]
-        if len(arrived[key]) < len(ranks):
+        if len(arrived[key]) < len(group[1:]):
             return
-        if topology is None:
-            bandwidth, latency, _ = link(profile, ranks, per_node)
-            sent = max(records[r][i].sent_bytes for r, i in members[key].items())
-            op = records[ranks[0]][members[key][ranks[0]]].op
-            seconds = collective_time(op, sent, len(ranks), bandwidth, latency)
-        else:
-            seconds = timed[key].time_s
         start = max(max(arrived[key].values()), group_free[group])
-        done[key] = (start, start + seconds)
+        done[key] = (start, start + seconds(key))
         group_free[group] = done[key][1]
 
     progress = True
@@ -427,9 +259,9 @@ def replay(
             while pc[r] < len(programs[r]):
                 entry = programs[r][pc[r]]
                 if isinstance(entry, Compute):
-                    seconds = (entry.flops + entry.elementwise) / rate
-                    events[r].append(Event(r, entry.kind, entry.kind, clock[r], clock[r] + seconds, entry.tags))
-                    clock[r] += seconds
+                    took = (entry.flops + entry.elementwise) / rate
+                    events[r].append(Event(r, entry.kind, entry.kind, clock[r], clock[r] + took, entry.tags))
+                    clock[r] += took
                 elif isinstance(entry, Issue):
                     arrived[keys[r][entry.record]][r] = clock[r]
                     try_start(keys[r][entry.record])
@@ -454,15 +286,7 @@ def replay(
             + "; ".join(f"rank {r} waits for {w.op} on {w.group} {w.ranks}" for r, w in waits.items())
             + ", which some member never issued"
         )
-    chosen = _last_step(programs) if step == -1 else step
-    stepped = [e for rank_events in events for e in rank_events if chosen is None or e.tags.get("step") == chosen]
-    makespan = max(e.end for e in stepped) - min(e.start for e in stepped) if stepped else 0.0
-    ranks = [_metrics(r, events[r], blocked[r], chosen) for r in range(n)]
-    if topology is None:
-        return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks)
-    in_step = [t for key, t in timed.items() if chosen is None or _step_of(key, records, members) == chosen]
-    placement = _placement(topo, placed, records, members)
-    return ModeledRun(profile.name, per_node, chosen, makespan, events, ranks, topo.name, in_step, placement)
+    return events, blocked
 
 
 def _placement(topology: Topology, placed: list[int], records: list[list[CommRecord]], members: dict) -> dict:
@@ -492,9 +316,6 @@ def resolve_topology(
 ) -> tuple[Topology, list[int]]:
     """(the topology, each rank's GPU) for a replay of ``world_size`` ranks, or a one-line ValueError: a world
     larger than the topology, a bad placement, an unknown algorithm. ``topology``: a Topology or a profile spec."""
-    from course_lib import collectives
-    from course_lib.topology import FatTree, Torus, from_spec
-
     topo = from_spec(topology) if isinstance(topology, str) else topology
     if world_size > topo.n_gpus:
         raise ValueError(
@@ -536,8 +357,6 @@ def time_on_topology(
 ) -> Timed:
     """One collective on a topology's GPUs ``group``, timed by :func:`course_lib.collectives.choose`: ``algorithm``
     where it can run this op on this group, otherwise the fastest that can (its ``why`` then does not say forced)."""
-    from course_lib import collectives
-
     choice = None
     if algorithm in collectives.ALGORITHMS.get(op, ()):
         try:

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from course_lib import launch, schemes
+from course_lib import harness, launch
 
 
 def process_alive(pid: int) -> bool:
@@ -69,4 +69,4 @@ def nothing_may_start(monkeypatch):
         raise AssertionError("a rank (or the reference) started for a command line that should have been refused")
 
     monkeypatch.setattr(launch, "_run_local", refuse)
-    monkeypatch.setattr(schemes, "train_reference", refuse)
+    monkeypatch.setattr(harness, "train_reference", refuse)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from course_lib.comm import CommRecord
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import (
@@ -18,7 +19,6 @@ from course_lib.parallel.tensor import (
     collectives_per_step,
     sequence_parallel_grad_bytes,
 )
-from course_lib.schemes import run_scheme
 from course_lib.trace import Compute, Issue, Wait
 
 CFG = GPTConfig(frozen_pos=False)  # a trained position embedding: its gradient is summed over the shards too

@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
-from course_lib import checkpoint, schemes
+from course_lib import checkpoint, harness
 from course_lib.cli import main
 from course_lib.faults import Fault
+from course_lib.harness import run_scheme
 from course_lib.launch import RankError
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig
 from course_lib.parallel.pipeline import Stages, stage_layout
-from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
 TRAIN = TrainConfig(steps=4, dtype="float64")
@@ -207,8 +207,8 @@ def test_bad_resume_is_refused_before_any_rank(cfg, train, resume, match, saved_
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path, nothing_may_start, monkeypatch):
-    without = dataclasses.replace(schemes.SCHEMES["cp"], checkpoint=False)  # every course scheme checkpoints
-    monkeypatch.setitem(schemes.SCHEMES, "cp", without)
+    without = dataclasses.replace(harness.SCHEMES["cp"], checkpoint=False)  # every course scheme checkpoints
+    monkeypatch.setitem(harness.SCHEMES, "cp", without)
     with pytest.raises(ValueError, match="scheme 'cp' cannot save or resume checkpoints: its entry says"):
         run_scheme("cp", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
     with pytest.raises(ValueError, match="both a folder and an interval"):

@@ -324,12 +324,12 @@ def test_run_takes_the_model_sizes(capsys):
 
 def test_a_rank_failure_is_the_rank_error_alone(monkeypatch, capsys):
     """The CLI prints the RankError (which rank, why, its own traceback), not the launcher's stack above it."""
-    from course_lib import launch, schemes
+    from course_lib import harness, launch
 
     def fails(*args, **kwargs):
         raise launch.RankError("rank 1 of 2 raised ValueError: broken on purpose")
 
-    monkeypatch.setattr(schemes, "run_scheme", fails)
+    monkeypatch.setattr(harness, "run_scheme", fails)
     assert main(["run", "dp", "--world-size", "2"]) == 1
     out, err = capsys.readouterr()
     assert err == "course-lib run: rank 1 of 2 raised ValueError: broken on purpose\n" and out == ""

@@ -7,7 +7,8 @@ import string
 
 import pytest
 
-from course_lib.exercises import grade, load, model_answers, parse
+from course_lib.exercises import grade, load, model_answers
+from course_lib.practice.answers import parse
 
 RIGHT, ALSO = "right", "also right"
 

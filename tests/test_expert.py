@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import launch
+from course_lib.harness import reference_run, run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, synthetic_tokens, within_capacity
 from course_lib.parallel.expert import all_to_all_bytes, local_experts, shard_experts
-from course_lib.schemes import reference_run, run_scheme
 
 SMALL = GPTConfig(d_model=8, heads=1, ffn_mult=2, experts=2, capacity_factor=1.0)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from course_lib import comm, launch, precision
+from course_lib.harness import SCHEMES, run_scheme
 from course_lib.memory import CATEGORIES, PRECISIONS, model_state_formula
 from course_lib.models import (
     GPTConfig,
@@ -19,7 +20,6 @@ from course_lib.models import (
     train_reference,
 )
 from course_lib.precision import DP_TOLERANCE, LOSS_TOLERANCE, LossScaler, MixedPrecisionOptimizer
-from course_lib.schemes import SCHEMES, run_scheme
 
 # Every parameter trains (no frozen position table), so bytes per parameter need no correction for frozen ones.
 CFG = GPTConfig(frozen_pos=False)

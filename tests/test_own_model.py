@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from course_lib.cli import main
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.schemes import run_scheme
 
 VOCAB = GPTConfig().vocab
 

@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
 from course_lib.comm import CommRecord  # noqa: E402
+from course_lib.harness import run_scheme  # noqa: E402
 from course_lib.models import TrainConfig  # noqa: E402
 from course_lib.plots import (  # noqa: E402
     KIND_COLORS,
@@ -17,7 +18,6 @@ from course_lib.plots import (  # noqa: E402
     plot_memory,
     plot_timeline,
 )
-from course_lib.schemes import run_scheme  # noqa: E402
 from course_lib.trace import Event  # noqa: E402
 
 

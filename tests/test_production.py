@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from course_lib import launch
+from course_lib.harness import run_scheme
 from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
 from course_lib.parallel.context import local_positions
 from course_lib.parallel.pipeline import train_pipeline
@@ -24,7 +25,6 @@ from course_lib.production import (
     train_torch_context_parallel,
     train_torch_pipelining,
 )
-from course_lib.schemes import run_scheme
 
 TRAIN = TrainConfig(steps=3)
 # (PyTorch's rank function, its options, our scheme that does the same, that scheme's options)

@@ -9,6 +9,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from course_lib.cli import main
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.parallel.schedules import (
@@ -29,7 +30,6 @@ from course_lib.parallel.schedules import (
     virtual_stage,
 )
 from course_lib.plan import PIPELINE_SCHEDULES, beyond_search, evaluate_layout, plan
-from course_lib.schemes import run_scheme
 
 BEYOND = ("zb-h2", "zb-v", "dualpipev")
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 7), (5, 10)]

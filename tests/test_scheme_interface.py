@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import toy_scheme  # tests/ is on sys.path (pytest's rootdir-less test modules)
 
-from course_lib import cli, schemes
+from course_lib import cli, harness
+from course_lib.harness import SCHEMES, run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.schemes import SCHEMES, run_scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,10 +69,10 @@ def test_every_scheme_implements_the_interface(name):
 
 def test_an_option_a_scheme_does_not_take_is_refused_naming_those_it_does():
     with pytest.raises(ValueError, match=r"scheme 'pp' takes no option\(s\) \['grad_accum'\]; it takes \['chunks'"):
-        schemes.validate("pp", 2, GPTConfig(), TrainConfig(), {"grad_accum": 2})
+        harness.validate("pp", 2, GPTConfig(), TrainConfig(), {"grad_accum": 2})
 
 
-@pytest.mark.parametrize("path", ["course_lib/schemes.py", "course_lib/cli.py"])
+@pytest.mark.parametrize("path", ["course_lib/harness.py", "course_lib/cli.py"])
 def test_the_harness_and_the_command_line_branch_on_no_scheme(path):
     """No ``if spec.name == "pp"`` or ``scheme in ("pp", "3d")``: no comparison in either file names a scheme."""
     tree = ast.parse((ROOT / path).read_text())

@@ -3,11 +3,11 @@ ranks, the tiny GPT with a tied and a frozen parameter, the same global batch as
 
 import pytest
 
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES, model_state_formula
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params
 from course_lib.parallel.fsdp import unit_sizes
 from course_lib.parallel.zero import bucket_sizes
-from course_lib.schemes import run_scheme
 
 VARIANTS = [
     ("dp", {"per_parameter": True, "overlap": False}),  # naive: one all-reduce per gradient, after backward

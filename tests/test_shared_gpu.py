@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from course_lib import launch
+from course_lib.harness import run_scheme
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.schemes import run_scheme
 
 WAYS = {
     "cpu-through-host": {"patch": ("course_lib.comm", "THROUGH_HOST", True)},

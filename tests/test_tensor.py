@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import launch
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES, MemoryMeter, tiny_gpt_activation_bytes
 from course_lib.models import Block, GPTConfig, TinyGPT, TrainConfig, synthetic_tokens
 from course_lib.parallel.tensor import (
@@ -19,7 +20,6 @@ from course_lib.parallel.tensor import (
     gather_sequence,
     sequence_parallel_grad_bytes,
 )
-from course_lib.schemes import run_scheme
 
 CFG = GPTConfig()
 

@@ -9,10 +9,10 @@ import torch
 
 from course_lib import launch
 from course_lib.cluster.clock import replay
+from course_lib.harness import run_scheme
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TinyGPT, TrainConfig, within_capacity
 from course_lib.parallel.three_d import predict_axis_traffic
-from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(layers=4)
 GRIDS = [

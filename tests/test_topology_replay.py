@@ -12,8 +12,10 @@ from course_lib import collectives, placement, topology
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import PROFILES
 from course_lib.comm import CommRecord
+from course_lib.cluster.profiles import PROFILES
+from course_lib.cluster.clock import replay
+from course_lib.harness import run_scheme
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.schemes import run_scheme
 from course_lib.trace import Issue, Wait
 
 H100 = PROFILES["h100"]
@@ -166,7 +168,7 @@ def test_bad_settings_are_one_line_before_replaying(kwargs, message):
 
 
 def test_the_command_line_passes_the_topology_through_and_prints_the_algorithms(sp_run, monkeypatch, capsys):
-    from course_lib import cli, schemes
+    from course_lib import cli, harness
 
     given = {}
 
@@ -174,7 +176,7 @@ def test_the_command_line_passes_the_topology_through_and_prints_the_algorithms(
         given.update(kwargs)
         return sp_run
 
-    monkeypatch.setattr(schemes, "run_scheme", recorded)
+    monkeypatch.setattr(harness, "run_scheme", recorded)
     argv = ["run", "sp", "--steps", "1", "--hardware", "h100", "--topology", "h100-superpod", "--algorithm", "ring"]
     assert cli.main([*argv, "--placement", "tp"]) == 0
     assert (given["hardware"], given["topology"], given["algorithm"]) == ("h100", "h100-superpod", "ring")

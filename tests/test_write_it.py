@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from course_lib import comm, launch, write_it
 from course_lib import write_it_check as wc
+from course_lib.practice import check_dispatch, check_merge, check_ring, check_schedule
 
 ANSWERS = wc.model_answers()
 
@@ -46,7 +47,7 @@ RING_FUNCTIONS = (ANSWERS.ring_all_reduce, whole_tensor_to_everyone, adds_in_the
 
 
 def _measure_each(*functions):  # one argument each, so that each travels to the ranks by value
-    return [wc.measure_ring(fn) for fn in functions]
+    return [check_ring.measure_ring(fn) for fn in functions]
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +59,22 @@ def ring_runs():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_model_ring_passes_with_the_rings_bytes_exactly(ring_runs, n):
-    feedback = wc.judge_ring(ring_runs[n][0])
+    feedback = check_ring.judge_ring(ring_runs[n][0])
     assert feedback.passed, feedback
-    size = 8 * wc.RING_CHUNK * n
+    size = 8 * check_ring.RING_CHUNK * n
     assert feedback.numbers["sent_bytes"] == [2 * (n - 1) / n * size] * n == [feedback.numbers["formula_bytes"]] * n
 
 
 def test_sending_the_whole_tensor_passes_on_2_ranks_and_fails_on_4_by_its_bytes(ring_runs):
-    assert wc.judge_ring(ring_runs[2][1]).passed  # (n-1) S = 2(n-1)/n S when n = 2
-    feedback = wc.judge_ring(ring_runs[4][1])
+    assert check_ring.judge_ring(ring_runs[2][1]).passed  # (n-1) S = 2(n-1)/n S when n = 2
+    feedback = check_ring.judge_ring(ring_runs[4][1])
     assert not feedback.passed and feedback.numbers["wrong_ranks"] == []
     assert feedback.hint.startswith("rank 0 sent 288 B in 3 messages: its whole tensor to each of the n-1 others")
     assert "2(n-1)/n S = 144 B" in feedback.hint
 
 
 def test_adding_in_the_all_gather_names_the_step_and_rank_or_the_chunk(ring_runs):
-    two, four = (wc.judge_ring(ring_runs[n][2]) for n in (2, 4))
+    two, four = (check_ring.judge_ring(ring_runs[n][2]) for n in (2, 4))
     assert not two.passed and two.hint.startswith("every message matched the ring, but rank 0's chunk 0 ends as")
     assert not four.passed
     assert four.hint.startswith("values first differ at all-gather step 2 of 3 (step 5 of the ring's 6): rank 0 sent")
@@ -81,13 +82,13 @@ def test_adding_in_the_all_gather_names_the_step_and_rank_or_the_chunk(ring_runs
 
 
 def test_a_collective_is_refused_though_its_values_are_right(ring_runs):
-    feedback = wc.judge_ring(ring_runs[2][3])
+    feedback = check_ring.judge_ring(ring_runs[2][3])
     assert not feedback.passed and feedback.numbers["wrong_ranks"] == []
     assert feedback.hint == "your function called all_reduce: write the ring from send and recv alone"
 
 
 def test_the_stub_fails_with_the_rank_and_its_exception_and_never_raises():
-    feedback = wc.check_ring_all_reduce(write_it.ring_all_reduce, world_sizes=(1,))
+    feedback = check_ring.check_ring_all_reduce(write_it.ring_all_reduce, world_sizes=(1,))
     assert not feedback.passed
     assert feedback.measured.startswith("on 1 rank: rank 0 of 1 raised NotImplementedError: write the ring")
     assert feedback.hint == wc.STUB
@@ -115,15 +116,15 @@ PEER_RETURNED = "rank 1 of 2 raised RuntimeError: [pair.cc:553] Connection close
     ],
 )
 def test_a_crashed_or_hung_run_names_the_rank_and_gets_its_hint(message, measured, hint):
-    feedback = wc.crashed_run(wc.RING, 2, launch.RankError(message))
+    feedback = check_ring.crashed_run(check_ring.RING, 2, launch.RankError(message))
     assert not feedback.passed and measured in feedback.measured and feedback.hint.startswith(hint)
     assert "traceback" not in feedback.measured
 
 
 def test_the_ring_messages_sum_to_all_reduce():
     for n in (2, 3, 4):
-        total = sum(wc.ring_input(r, n) for r in range(n))
-        last = wc.ring_messages(n)
+        total = sum(check_ring.ring_input(r, n) for r in range(n))
+        last = check_ring.ring_messages(n)
         for r in range(n):
             dst, c, message, _ = last[r][-1]
             assert torch.equal(message, total.chunk(n)[c]) and dst == (r + 1) % n
@@ -131,7 +132,7 @@ def test_the_ring_messages_sum_to_all_reduce():
 
 def test_bad_world_sizes_are_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="world_sizes must be positive integers"):
-        wc.check_ring_all_reduce(ANSWERS.ring_all_reduce, world_sizes=(2, 0))
+        check_ring.check_ring_all_reduce(ANSWERS.ring_all_reduce, world_sizes=(2, 0))
 
 
 # --------------------------------------------------------------------------------------------- 2. 1F1B table
@@ -180,7 +181,7 @@ def short_warmup(p, m):
 
 
 def test_the_model_table_passes_with_the_formulas_bubble():
-    feedback = wc.check_one_f_one_b(ANSWERS.one_f_one_b)
+    feedback = check_schedule.check_one_f_one_b(ANSWERS.one_f_one_b)
     assert feedback.passed, feedback
     for (p, m), numbers in feedback.numbers.items():
         assert numbers["steps"] == 2 * (m + p - 1)
@@ -206,12 +207,12 @@ def test_the_model_table_passes_with_the_formulas_bubble():
     ],
 )
 def test_a_wrong_table_fails_with_the_first_broken_rule(fn, hint):
-    feedback = wc.check_one_f_one_b(fn)
+    feedback = check_schedule.check_one_f_one_b(fn)
     assert not feedback.passed and feedback.hint.startswith(hint), feedback
 
 
 def test_the_short_warmup_keeps_the_rules_but_not_the_bubble():
-    measured = wc.check_one_f_one_b(short_warmup).measured
+    measured = check_schedule.check_one_f_one_b(short_warmup).measured
     assert measured.startswith("p=2, m=3: 12 steps, a bubble of 0.5000; 1F1B: 2(m+p-1) = 8 steps")
 
 
@@ -240,7 +241,7 @@ def capacity_per_rank(choices, experts, capacity_factor=None):
 
 
 def test_the_model_counts_pass_and_the_cases_drop_pairs():
-    feedback = wc.check_dispatch_counts(ANSWERS.dispatch_counts)
+    feedback = check_dispatch.check_dispatch_counts(ANSWERS.dispatch_counts)
     assert feedback.passed, feedback
     assert "(11 pairs dropped)" in feedback.measured and "(4 pairs dropped)" in feedback.measured
 
@@ -257,7 +258,7 @@ def test_the_model_counts_pass_and_the_cases_drop_pairs():
     ],
 )
 def test_a_wrong_count_fails_naming_the_first_pair_and_the_mistake(fn, first, named):
-    feedback = wc.check_dispatch_counts(fn)
+    feedback = check_dispatch.check_dispatch_counts(fn)
     assert not feedback.passed and feedback.hint.startswith(first) and named in feedback.hint, feedback
 
 
@@ -286,9 +287,9 @@ def swapped(a, b):
 
 
 def test_the_model_merge_passes_in_every_case_to_1e_10():
-    feedback = wc.check_merge_partials(ANSWERS.merge_partials)
+    feedback = check_merge.check_merge_partials(ANSWERS.merge_partials)
     assert feedback.passed, feedback
-    partials, want = wc.merge_inputs(wc.MERGE_CASES[1])
+    partials, want = check_merge.merge_inputs(check_merge.MERGE_CASES[1])
     assert want[1].max() > 709  # the case the exponentials overflow on
 
 
@@ -305,7 +306,7 @@ def test_the_model_merge_passes_in_every_case_to_1e_10():
     ],
 )
 def test_a_wrong_merge_fails_saying_which_part_is_off(fn, measured, hint):
-    feedback = wc.check_merge_partials(fn)
+    feedback = check_merge.check_merge_partials(fn)
     assert not feedback.passed and feedback.measured.startswith(measured) and hint in feedback.hint, feedback
 
 

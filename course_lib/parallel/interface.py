@@ -1,7 +1,7 @@
 """The interface every scheme module of :mod:`course_lib.parallel` implements.
 
 A scheme module holds a scheme's rank function and, next to the code they describe, its checks and its formulas;
-at its end a ``SCHEMES`` tuple of :class:`Scheme` entries names them. The harness (:mod:`course_lib.schemes`), the
+at its end a ``SCHEMES`` tuple of :class:`Scheme` entries names them. The harness (:mod:`course_lib.harness`), the
 command line and the notebooks use nothing else, so a new scheme needs no change outside its module, one line of
 the registry, its tests and its lesson (``docs/architecture.md`` has the checklist).
 
@@ -47,7 +47,7 @@ class Scheme:
     """One entry of the registry.
 
     ``train`` is the rank function ``train(cfg, train, **settings) -> dict`` (``losses``, ``params``, ``memory``,
-    ``coords``; see :mod:`course_lib.schemes`). ``validate`` raises ``ValueError`` saying what to change before any
+    ``coords``; see :mod:`course_lib.harness`). ``validate`` raises ``ValueError`` saying what to change before any
     rank starts. ``predict_memory`` gives each rank's bytes by category (``params``, ``grads``, ``optimizer``,
     ``activations``), ``predict_comm`` each rank's bytes sent per step: by collective, or by axis for a grid.
     ``axes`` are the mesh axes the ranks form: none (one rank), one (its size is the world size: ``run tp --tp 4``)

@@ -72,7 +72,10 @@ def test_an_option_a_scheme_does_not_take_is_refused_naming_those_it_does():
         harness.validate("pp", 2, GPTConfig(), TrainConfig(), {"grad_accum": 2})
 
 
-@pytest.mark.parametrize("path", ["course_lib/harness.py", "course_lib/cli.py"])
+@pytest.mark.parametrize(
+    "path",
+    ["course_lib/harness.py", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "course_lib/cli").glob("*.py"))],
+)
 def test_the_harness_and_the_command_line_branch_on_no_scheme(path):
     """No ``if spec.name == "pp"`` or ``scheme in ("pp", "3d")``: no comparison in either file names a scheme."""
     tree = ast.parse((ROOT / path).read_text())

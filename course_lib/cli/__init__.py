@@ -1,0 +1,60 @@
+"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan, hardware and calibrate.
+
+Every command takes ``--json FILE`` (``-`` for standard output) to write its result as JSON.
+
+One module per command (:mod:`~course_lib.cli.memory`, :mod:`~course_lib.cli.run`, ...), each with its ``cmd_*`` and
+the ``add_parser`` that adds its sub-parser; :mod:`~course_lib.cli.common` holds what they share (output, number
+types, output-path checks) and :mod:`~course_lib.cli.training` the tiny GPT's flags that ``run`` and ``demo`` share.
+Here: the top-level parser, assembled from each command's ``add_parser``, and :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+from course_lib.cli import calibrate, demo, goodput, hardware, memory, plan, run, schedule
+from course_lib.cli.common import check_outputs, is_lead
+from course_lib.launch import RankError
+
+COMMANDS = (memory, run, demo, schedule, hardware, calibrate, plan, goodput)  # in the order --help lists them
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (what is wrong, and where the help is), exit status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="course-lib", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_outputs(args.parser, args)
+    try:
+        return args.func(args)
+    except RankError as err:  # the failing rank's own lines, not the launcher's traceback
+        if is_lead():
+            # A numerical diagnosis (fp16 gradients overflowing) says what to change; its traceback adds nothing.
+            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else err
+            print(f"course-lib {args.command}: {said}", file=sys.stderr)
+        return 1
+    except SystemExit as stop:  # a refusal: under torchrun every rank refuses, rank 0 says why
+        if isinstance(stop.code, str) and not is_lead():
+            return 1
+        raise
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing more, and let Python's final flush find nowhere to fail.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a command ended by SIGPIPE

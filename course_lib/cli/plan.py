@@ -1,0 +1,189 @@
+"""``plan``: choose a layout (TP x PP x DP, ZeRO, ...) for a model on a cluster and say why, or evaluate a given one
+as the planner evaluates its own."""
+
+from __future__ import annotations
+
+import argparse
+
+from course_lib.cli.common import add_json_flag, positive_float, positive_int, say, write_json
+from course_lib.memory import RECOMPUTE
+
+LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from course_lib.plan import describe, make_model, plan
+
+    given = [flag for flag in LAYOUT_FLAGS if getattr(args, flag) not in (None, False)]
+    if given and not {"tp", "pp", "dp"} & set(given):
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+        raise SystemExit(f"plan: {flags} describe a given layout: give --tp, --pp and --dp too (or none of them)")
+    try:
+        model = make_model(args.preset, args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq)
+        if given:
+            return _plan_layout(args, model)
+        result = plan(
+            model,
+            args.gpus,
+            args.gpus_per_node,
+            args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
+            args.hardware,
+            args.global_batch,
+            args.micro_batch,
+            no_model_parallel=args.no_model_parallel,
+            topology=args.topology,
+        )
+    except ValueError as err:
+        raise SystemExit(f"plan: {err}") from None
+    write_json(result.as_dict(), args.json)
+    _say_model(args, model, result.gpus, result.gpus_per_node, result.hardware, result.gpu_mem_bytes, result.topology)
+    say(
+        args,
+        f"  choice: {describe(result)}, {result.microbatches} microbatches of {result.micro_batch} per DP rank"
+        + (", selective recompute" if result.recompute != "none" else ""),
+    )
+    say(
+        args,
+        f"  memory per GPU {result.memory_per_gpu_bytes / 1e9:.1f} GB of {result.gpu_mem_bytes / 1e9:.4g} GB; "
+        f"bubble {result.bubble_fraction:.1%}; estimated step {result.step_time_s:.3g} s, "
+        f"{result.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {result.mfu:.1%}",
+    )
+    say(args, "  why:")
+    for reason in result.reasons:
+        say(args, f"    - {reason}")
+    fitting = [c for c in result.candidates if c.fits]
+    say(args, f"  top candidates (of {len(fitting)} that fit):")
+    for i, c in enumerate(fitting[:3], 1):
+        mark = "   <- chosen" if describe(c) == describe(result) else ""
+        say(
+            args,
+            f"    {i}. {describe(c):<48}{c.memory_per_gpu_bytes / 1e9:7.1f} GB   bubble {c.bubble_fraction:6.1%}   "
+            f"step {c.step_time_s:.3g} s   MFU {c.mfu:.1%}{mark}",
+        )
+    return 0
+
+
+def _say_model(
+    args, model, gpus: int, per_node: int, hardware: str, gpu_mem: float, topology: str | None = None
+) -> None:
+    nodes = -(-gpus // per_node)
+    where = (
+        f"{topology}'s links, {hardware}'s compute"
+        if topology
+        else f"{nodes} node{'s' * (nodes > 1)} of {per_node}, {hardware}"
+    )
+    say(
+        args,
+        f"{model.name}: {model.params / 1e9:.1f}B parameters"
+        + (f" ({model.active_params / 1e9:.1f}B active a token)" if model.experts else "")
+        + f" on {gpus} GPUs ({where}, {gpu_mem / 1e9:.4g} GB each)",
+    )
+
+
+def _plan_layout(args: argparse.Namespace, model) -> int:
+    """``plan --tp T --pp P --dp D ...``: one given layout, evaluated as the planner evaluates its own."""
+    from dataclasses import asdict
+
+    from course_lib.hardware import get_profile
+    from course_lib.plan import PEAK, describe, evaluate_layout
+
+    profile = get_profile(args.hardware)
+    c = evaluate_layout(
+        model,
+        args.gpus,
+        tp=args.tp or 1,
+        pp=args.pp or 1,
+        dp=args.dp,
+        cp=args.cp or 1,
+        ep=args.ep or 1,
+        zero=args.zero,
+        schedule=args.schedule or "1f1b",
+        chunks=args.chunks or 1,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        recompute=args.recompute or "none",
+        hardware=args.hardware,
+        gpus_per_node=args.gpus_per_node,
+        gpu_mem_bytes=args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
+        attention=args.attention or "flash",
+        sp=False if args.no_sp else None,
+        topology=args.topology,
+    )
+    gpu_mem = args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else profile.memory_bytes
+    per_node = args.gpus_per_node or profile.gpus_per_node
+    write_json({"model": model.name, "gpus": args.gpus, "hardware": profile.name, **asdict(c)}, args.json)
+    _say_model(args, model, args.gpus, per_node, profile.name, gpu_mem, args.topology)
+    say(
+        args,
+        f"  layout: {describe(c)}; {c.microbatches} microbatches of {args.micro_batch} per DP rank, "
+        f"{'no' if c.recompute == 'none' else c.recompute} recompute, {c.attention} attention"
+        + (", sequence parallel" if c.sp else ""),
+    )
+    parts = ", ".join(f"{k} {c.memory[k] / 1e9:.3g}" for k in ("params", "grads", "optimizer", "activations"))
+    verdict = "fits" if c.fits else f"does not fit, {(c.memory_per_gpu_bytes - gpu_mem) / 1e9:.1f} GB over"
+    say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:.4g} GB ({parts}): {verdict}")
+    if c.memory["stage"] != "all":
+        say(args, f"    (on the {c.memory['stage']} pipeline stage, the busiest: its layers and one embedding matrix)")
+    t = c.time
+    say(
+        args,
+        f"  step {c.step_time_s:.3g} s: compute {t['compute_s']:.3g} s, bubble {t['bubble_s']:.3g} s "
+        f"({c.bubble_fraction:.1%} of the pipeline's time), exposed TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} "
+        f"s, CP {t['cp_comm_exposed_s']:.3g} s, EP {t['ep_comm_s']:.3g} s, DP {t['dp_comm_exposed_s']:.3g} s",
+    )
+    for axis, g in c.placement.items():
+        if "where" in g:  # on a topology
+            say(
+                args,
+                f"  {axis.upper()} {g['size']} sits {g['where']} ({g['bandwidth'] / 1e9:g} GB/s, {g['hops']} hops)",
+            )
+    peak = profile.peak_flops[PEAK["mixed"]] / 1e12
+    say(
+        args,
+        f"  model FLOPs (6N + causal attention) {c.model_flops:.3g} a step: {c.tflops_per_gpu:.3g} TFLOP/s per GPU, "
+        f"MFU {c.mfu:.1%} of {peak:g} TFLOP/s",
+    )
+    say(
+        args,
+        f"  hardware FLOPs (as computed, with the recomputed forward) {c.hardware_flops:.3g}: "
+        f"{c.hardware_tflops_per_gpu:.3g} TFLOP/s per GPU, HFU {c.hfu:.1%}",
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``plan``'s flags: the model, the cluster, the batch, and a given layout's degrees and settings."""
+    from course_lib.hardware import PROFILES
+    from course_lib.plan import PIPELINE_SCHEDULES, PRESETS
+
+    pl = subparsers.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
+    pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
+    pl.add_argument("--params", type=positive_float, help="parameter count, e.g. 30e9 (alone: a GPT-3-like shape)")
+    for dim in ("layers", "hidden", "heads", "vocab", "seq"):
+        pl.add_argument(f"--{dim}", type=positive_int)
+    pl.add_argument("--gpus", type=positive_int, required=True)
+    pl.add_argument("--gpus-per-node", type=positive_int, help="default: the hardware profile's")
+    pl.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU (default: the hardware profile's)")
+    pl.add_argument(
+        "--hardware", default="h100", help=f"{', '.join(sorted(PROFILES))}, or a measured profile (default h100)"
+    )
+    pl.add_argument(
+        "--topology",
+        metavar="NAME[:SIZE]",
+        help="time the traffic on this topology's links (h100-superpod, gb200-nvl72, tpu-v5p, ethernet-2to1, "
+        "h100-two-level), sized to --gpus unless SIZE is given; compute and memory stay --hardware's",
+    )
+    pl.add_argument("--global-batch", type=positive_int, help="sequences per step (default: the preset's, else 1024)")
+    pl.add_argument("--micro-batch", type=positive_int, default=1)
+    pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
+    given = pl.add_argument_group("a given layout (evaluated instead of searched: give --tp, --pp and --dp)")
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        given.add_argument(f"--{axis}", type=positive_int)
+    given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
+    given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
+    given.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved")
+    given.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default none)")
+    given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")
+    given.add_argument("--no-sp", action="store_true", help="no sequence parallelism with TP")
+    pl.set_defaults(func=cmd_plan)
+    add_json_flag(pl)

@@ -1,0 +1,101 @@
+"""The tiny GPT and its training as the command line gives them, shared by ``run`` and ``demo``: the flags, and the
+:class:`~course_lib.models.GPTConfig`, :class:`~course_lib.models.TrainConfig` and launcher limits they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from course_lib.cli.common import natural, positive_float, positive_int
+from course_lib.memory import RECOMPUTE
+from course_lib.models import GPTConfig, TrainConfig
+
+MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The training settings given on the command line; ``run``'s mixed-precision flags where given."""
+    mixed = {name: getattr(args, name) for name in MIXED_FLAGS if hasattr(args, name)}
+    return TrainConfig(steps=args.steps, batch=model_sizes(args)["batch"], seed=args.seed, dtype=args.dtype, **mixed)
+
+
+# A modeled run's defaults: with the tiny GPT's (64 wide, 32 tokens, batch 8) an H100 computes a step in ~0.2 us,
+# invisible beside communication; at these sizes compute is about a tenth of a data-parallel step.
+MODELED_DEFAULTS = {"hidden": 256, "seq": 128, "batch": 32}
+
+
+def model_sizes(args: argparse.Namespace) -> dict:
+    """The model and batch sizes given on the command line, the modeled-run defaults where ``--hardware`` is given
+    and a size is not, else the tiny GPT's."""
+    modeled = MODELED_DEFAULTS if getattr(args, "hardware", None) else {}
+    default = GPTConfig()
+    return {
+        "hidden": args.hidden or modeled.get("hidden", default.d_model),
+        "seq": args.seq or modeled.get("seq", default.seq),
+        "batch": args.batch or modeled.get("batch", TrainConfig().batch),
+    }
+
+
+MOE_FLAGS = ("experts", "top_k", "capacity_factor", "aux_loss_coef")  # GPTConfig fields that ``run`` takes
+
+
+def model_config(args: argparse.Namespace, layers_needed: int = 1, model_settings: dict | None = None) -> GPTConfig:
+    """The tiny GPT with the sizes given on the command line; by default 2 layers, or as many as the scheme needs
+    (one per pipeline stage) if that is more; MoE settings from the command line over the scheme's
+    ``model_settings`` (``ep``: 8 experts, top-2)."""
+    sizes = model_sizes(args)
+    given = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name, None) is not None}
+    return GPTConfig(
+        layers=args.layers or max(GPTConfig().layers, layers_needed),
+        d_model=sizes["hidden"],
+        heads=args.heads or GPTConfig().heads,
+        seq=sizes["seq"],
+        recompute=getattr(args, "recompute", "none"),
+        **((model_settings or {}) if given.get("experts") != 0 else {}) | given,
+    )
+
+
+def launch_limits(args: argparse.Namespace) -> dict:
+    """The launcher's limits from the command line: whole-run and stall timeouts, and the cap on local ranks."""
+    return {"timeout": args.timeout, "stall_timeout": args.stall_timeout, "max_ranks": args.max_ranks}
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the model, the training and the launch that ``run`` and ``demo`` share."""
+    p.add_argument("--layers", type=positive_int, help="transformer layers (default 2, or one per pipeline stage)")
+    modeled = MODELED_DEFAULTS
+    p.add_argument("--hidden", type=positive_int, help=f"model width (default 64; {modeled['hidden']} with --hardware)")
+    p.add_argument("--heads", type=positive_int, help="attention heads, must divide --hidden (default 4)")
+    p.add_argument(
+        "--seq", type=positive_int, help=f"tokens per sequence (default 32; {modeled['seq']} with --hardware)"
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="activation recompute in backward: selective (the attention scores) or full (every layer)",
+    )
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        help=f"global batch in sequences (default 8; {modeled['batch']} with --hardware)",
+    )
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where the ranks compute (default: cuda under nccl, else cpu); gloo ranks on cuda share the GPUs",
+    )
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds the whole run may take (default 300)")
+    p.add_argument(
+        "--stall-timeout",
+        type=positive_float,
+        default=20.0,
+        help="seconds a rank may wait in a collective that another rank has not reached (default 20)",
+    )
+    p.add_argument(
+        "--max-ranks", type=positive_int, help="allow more local ranks than this machine's limit (you know better)"
+    )
+    p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.schemes import SchemeRun, run_scheme
 
 TOLERANCE = 1e-10  # fp64: a correct scheme matches one device to ~1e-13

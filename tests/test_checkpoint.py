@@ -16,7 +16,8 @@ from course_lib import checkpoint, schemes
 from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.launch import RankError
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
 from course_lib.schemes import run_scheme
 

@@ -11,8 +11,10 @@ import torch.distributed as dist
 
 from course_lib import launch
 from course_lib.hardware import get_profile, replay
-from course_lib.memory import CATEGORIES, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TrainConfig, causal_attention
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import tiny_gpt_activation_bytes
+from course_lib.models import causal_attention
 from course_lib.parallel.context import ATTENTION, kv_block_bytes, local_positions, sequence_shard
 from course_lib.schemes import run_scheme
 from course_lib.trace import Compute, Issue, Wait

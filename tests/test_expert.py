@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import launch
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, synthetic_tokens, within_capacity
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import MoE, TinyGPT, synthetic_tokens, within_capacity
 from course_lib.parallel.expert import all_to_all_bytes, local_experts, shard_experts
 from course_lib.schemes import reference_run, run_scheme
 

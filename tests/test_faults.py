@@ -17,7 +17,7 @@ from course_lib import faults, launch
 from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.forkserver import warm
-from course_lib.models import TrainConfig
+from course_lib.model.config import TrainConfig
 from course_lib.schemes import run_scheme
 
 STALL_S = 2.0

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from course_lib.cli import main
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.schemes import run_scheme
 
 VOCAB = GPTConfig().vocab

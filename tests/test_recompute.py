@@ -8,8 +8,10 @@ from torch import nn
 
 from course_lib import trace
 from course_lib.hardware import get_profile
-from course_lib.memory import MemoryMeter, activation_bytes_per_layer, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, synthetic_tokens
+from course_lib.ledgers.memory import MemoryMeter
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import activation_bytes_per_layer, tiny_gpt_activation_bytes
+from course_lib.models import TinyGPT, synthetic_tokens
 from course_lib.recompute import apply, extra_flops_per_layer
 from course_lib.schemes import run_scheme
 

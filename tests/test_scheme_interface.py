@@ -11,8 +11,8 @@ import pytest
 import toy_scheme  # tests/ is on sys.path (pytest's rootdir-less test modules)
 
 from course_lib import cli, schemes
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.schemes import SCHEMES, run_scheme
 
 ROOT = Path(__file__).resolve().parents[1]

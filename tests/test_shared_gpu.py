@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib import launch
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.schemes import run_scheme
 
 WAYS = {

@@ -11,7 +11,7 @@ import pytest
 from course_lib import collectives, placement, topology
 from course_lib.comm import CommRecord
 from course_lib.hardware import PROFILES, replay
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.schemes import run_scheme
 from course_lib.trace import Issue, Wait
 

@@ -21,7 +21,7 @@ import argparse
 import statistics
 
 from course_lib import comm, launch
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
 from course_lib.parallel.fsdp import train_fsdp
 from course_lib.production import train_ddp, train_fsdp2

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dp_zero import benchmark_parser, check_timing_arguments, time_interleaved
 
 from course_lib import comm, launch
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers, train_pipeline
 from course_lib.parallel.schedules import validate
 from course_lib.production import train_torch_pipelining

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dp_zero import benchmark_parser, check_timing_arguments, mean_losses, sent_bytes, time_interleaved
 
 from course_lib import launch
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import check_tensor_parallel, train_tensor_parallel
 from course_lib.production import train_dtensor_tp
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 
 from course_lib.harness import SchemeRun, run_scheme
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 
 TOLERANCE = 1e-10  # fp64: a correct scheme matches one device to ~1e-13
 

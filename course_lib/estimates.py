@@ -20,9 +20,10 @@ The scenarios, by the kind of number they ask for:
   no top-k, bits) are named.
 * ``cp``: the smallest context-parallel degree that fits Llama 3 405B's 131,072-token sequences at TP 8 x PP 16 in
   a GPU's memory (Grattafiori et al. 2024, §3.3.2 and Table 4, where it is 16), among the degrees the planner
-  considers (:func:`course_lib.plan.cp_degrees`), by the memory model (:func:`course_lib.memory.memory_formula`).
-  Right: that degree; close: the next one up, twice it, which fits but splits more than needed; wrong: a degree
-  that does not fit, is not one (it must divide CP x DP), or is larger still.
+  considers (:func:`course_lib.plan.cp_degrees`), by the memory model
+  (:func:`course_lib.model.formulas.memory_formula`). Right: that degree; close: the next one up, twice it, which
+  fits but splits more than needed; wrong: a degree that does not fit, is not one (it must divide CP x DP), or is
+  larger still.
 * ``minutes``: a checkpoint interval for Llama 3 405B on 16,384 GPUs with Llama 3's failure rate (§3.3.4,
   :data:`course_lib.goodput.LLAMA3`): Daly's optimum as :func:`course_lib.goodput.choose_interval` computes it
   (Young 1974; Daly 2006). Right within ``right_within`` of it (25%), close within a factor ``close_factor`` (2),
@@ -46,8 +47,9 @@ from functools import cache
 from course_lib import exercises
 from course_lib.comm import ring_factor
 from course_lib.goodput import LLAMA3, IntervalChoice, choose_interval, expected_goodput
-from course_lib.memory import memory_formula
-from course_lib.plan import MIN_CP_TOKENS, Layout, cp_degrees, dispatch_bytes, groups, make_model
+from course_lib.model.config import Layout
+from course_lib.model.formulas import memory_formula
+from course_lib.plan import MIN_CP_TOKENS, cp_degrees, dispatch_bytes, groups, make_model
 
 NAME = "estimates"
 VERDICTS = ("right", "close", "wrong", "unreadable")
@@ -327,15 +329,15 @@ def _solve_bytes(scenario_id: str) -> Solved:
 @cache
 def _memory(scenario_id: str, cp: int) -> float:
     """Bytes on the busiest GPU of the scenario's layout at context-parallel degree ``cp``
-    (:func:`course_lib.memory.memory_formula`, as the planner evaluates a layout)."""
+    (:func:`course_lib.model.formulas.memory_formula`, as the planner evaluates a layout)."""
     s = _scenarios()[scenario_id]
     model = make_model(preset=s["preset"])
     dp = s["gpus"] // (s["tp"] * s["pp"] * cp)
-    memory = memory_formula(
-        model.params, s["precision"], s["zero"], dp, s["tp"], s["pp"], micro_batch=s["micro_batch"], sp=s["tp"] > 1,
-        recompute=s["recompute"], cp=cp, **model.memory_shape(),
+    layout = Layout(
+        tp=s["tp"], pp=s["pp"], dp=dp, zero=s["zero"], cp=cp, sp=s["tp"] > 1, recompute=s["recompute"],
+        micro_batch=s["micro_batch"],
     )  # fmt: skip
-    return memory["total"]
+    return memory_formula(model.params, s["precision"], layout, **model.memory_shape())["total"]
 
 
 @cache

@@ -23,96 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import precision, trace
-from course_lib.precision import DEFAULT_SCALE
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.recompute import apply as apply_recompute
-from course_lib.recompute import check_mode, recompute
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of the tiny GPT. ``heads`` must divide ``d_model``.
-
-    ``experts`` > 0 makes every block's MLP a mixture of that many experts (:class:`MoE`), each token sent to its
-    ``top_k`` best; ``capacity_factor`` None is dropless, a float caps each expert at
-    ceil(tokens x top_k / experts x capacity_factor) assignments per batch; ``aux_loss_coef`` is Switch's alpha.
-
-    ``recompute`` (:mod:`course_lib.recompute`): ``full`` recomputes every block in backward from its input,
-    ``selective`` only the attention core from Q, K and V; ``none`` keeps everything.
-    """
-
-    vocab: int = 128
-    seq: int = 32
-    layers: int = 2
-    d_model: int = 64
-    heads: int = 4
-    ffn_mult: int = 4
-    frozen_pos: bool = True
-    experts: int = 0
-    top_k: int = 1
-    capacity_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    recompute: str = "none"
-
-    def __post_init__(self) -> None:
-        check_mode(self.recompute)
-        for name in ("vocab", "seq", "layers", "d_model", "heads", "ffn_mult"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.d_model % self.heads:
-            raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
-        if self.experts < 0:
-            raise ValueError(f"GPTConfig.experts must be 0 (a dense MLP) or a number of experts, got {self.experts}")
-        if self.experts == 0 and (self.top_k != 1 or self.capacity_factor is not None):
-            raise ValueError(
-                f"top_k={self.top_k} and capacity_factor={self.capacity_factor} route tokens to experts, but this "
-                f"model is dense (experts=0); set experts to 1 or more, or leave them at 1 and None"
-            )
-        if not 1 <= self.top_k <= max(self.experts, 1):
-            raise ValueError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
-        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
-            raise ValueError(
-                f"capacity_factor must be a positive number (1.25 is Switch's) or None (dropless), got "
-                f"{self.capacity_factor}"
-            )
-        if not 0 <= self.aux_loss_coef < math.inf:
-            raise ValueError(f"aux_loss_coef must be 0 or more (Switch uses 0.01), got {self.aux_loss_coef}")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training run: the same for the reference and every parallel scheme.
-
-    ``precision`` None trains every tensor in ``dtype``; ``mixed`` (16 bytes per parameter), ``megatron`` (18) or
-    ``no-master`` (12) train with 16-bit weights of type ``half`` (``bf16`` or ``fp16``) and fp32 optimizer state
-    (:mod:`course_lib.precision`). ``loss_scale``: ``auto`` (a dynamic scale for fp16, none for bf16),
-    ``dynamic`` (starting at ``initial_scale``), a fixed number, or None (no scaler).
-    """
-
-    steps: int = 3
-    batch: int = 8
-    lr: float = 1e-2
-    weight_decay: float = 0.1
-    # AdamW's eps. With PyTorch's 1e-8, a weight whose gradient is below ~1e-8 takes a step of ~lr decided by the
-    # gradient's rounding noise, so two correct summation orders (one device, 4 ranks) end up 1e-4 apart in fp32;
-    # the tiny GPT has such weights. 1e-6 (BERT's and RoBERTa's choice) keeps fp32 comparisons about the scheme.
-    adam_eps: float = 1e-6
-    seed: int = 0
-    dtype: str = "float32"
-    precision: str | None = None
-    half: str = "bf16"
-    loss_scale: float | str | None = "auto"
-    initial_scale: float = DEFAULT_SCALE
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch < 1:
-            raise ValueError(f"steps and batch must be at least 1, got steps={self.steps}, batch={self.batch}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', not {self.dtype!r}")
-        precision.check_settings(self)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+from course_lib.recompute import recompute
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import launch
-from course_lib.models import GPTConfig, ModelFactory, TrainConfig, check_model, max_param_diff, synthetic_tokens
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import ModelFactory, check_model, max_param_diff, synthetic_tokens
 
 TOLERANCE = 1e-10  # float64: a correct data-parallel loop matches one process to ~1e-15
 TrainFn = Callable[[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]], dict[str, torch.Tensor]]

@@ -2,7 +2,7 @@
 loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training", §3; Kalamkar et al. 2019, "A Study of
 BFLOAT16 for Deep Learning Training", §3; Rajbhandari et al. 2020, "ZeRO", §3.1 for the 16 bytes).
 
-Three conventions, each one of the memory model's (:data:`course_lib.memory.PRECISIONS`), by bytes per parameter:
+Three conventions, each one of the memory model's (:data:`course_lib.model.config.PRECISIONS`), by bytes per parameter:
 
 * ``mixed`` 16: weights (2) and gradients (2) in the 16-bit type, an fp32 master copy of the weights (4) that the
   optimizer updates and rounds back into them, and Adam's two fp32 moments (8) (§3.1).
@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,14 +38,16 @@ from torch import nn
 
 from course_lib import comm
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import PRECISIONS, Precision, resize_storage
+from course_lib.ledgers.memory import resize_storage
+from course_lib.model.config import (
+    DEFAULT_LOSS_SCALE,
+    HALF_TYPES,
+    PRECISIONS,
+    Precision,
+    TrainConfig,
+    loss_scaling,
+)
 
-if TYPE_CHECKING:
-    from course_lib.models import TrainConfig
-
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CONVENTIONS = ("mixed", "megatron", "no-master")
-DEFAULT_SCALE = 2.0**16  # where a dynamic loss scale starts (DeepSpeed's initial_scale_power 16, PyTorch's GradScaler)
 SCALE_WINDOW = 1000  # clean steps before a dynamic scale doubles (DeepSpeed's loss_scale_window, Megatron's)
 
 # How far a mixed-precision loss curve may stray from the same run in fp32, over the course's runs of up to 20
@@ -63,59 +63,15 @@ LOSS_TOLERANCE = 0.02
 DP_TOLERANCE = 0.01
 
 
-def check_settings(train: TrainConfig) -> None:
-    """Refuse a precision, 16-bit type or loss scale that makes no sense, or no sense together, saying what to do."""
-    if train.precision is not None and train.precision not in CONVENTIONS:
-        raise ValueError(
-            f"precision must be None (every tensor in dtype) or one of {list(CONVENTIONS)} (16, 18 and 12 bytes per "
-            f"parameter), not {train.precision!r}"
-        )
-    if train.half not in HALF:
-        raise ValueError(f"half must be one of {list(HALF)}, not {train.half!r}")
-    scale = train.loss_scale
-    if not (scale in ("auto", "dynamic", None) or _positive_number(scale)):
-        raise ValueError(f"loss_scale must be 'dynamic', None (no scaler) or a number greater than 0, not {scale!r}")
-    if not _positive_number(train.initial_scale):
-        raise ValueError(f"initial_scale must be a number greater than 0, not {train.initial_scale!r}")
-    if train.precision is None:
-        if (train.half, train.loss_scale, train.initial_scale) != ("bf16", "auto", DEFAULT_SCALE):
-            raise ValueError(
-                f"half, loss_scale and initial_scale set up mixed precision: give precision too "
-                f"({', '.join(map(repr, CONVENTIONS))}), or leave them out to train in {train.dtype} throughout"
-            )
-        return
-    if train.dtype != "float32":
-        raise ValueError(
-            f"mixed precision keeps fp32 master weights and moments: use dtype='float32', not {train.dtype!r}"
-        )
-    if train.half == "bf16" and scale not in ("auto", None):
-        raise ValueError(
-            "bf16 has fp32's exponent range and needs no loss scaling: leave loss_scale out, or use half='fp16'"
-        )
-    if train.initial_scale != DEFAULT_SCALE and scaling(train) != "dynamic":
-        raise ValueError("initial_scale is where a dynamic loss scale starts: use it with loss_scale='dynamic'")
-
-
-def _positive_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
-
-
-def scaling(train: TrainConfig) -> str | float | None:
-    """The loss scaling a run uses: ``dynamic``, a fixed scale, or None (bf16 by default, and fp32)."""
-    if train.loss_scale != "auto":
-        return train.loss_scale
-    return "dynamic" if train.precision is not None and train.half == "fp16" else None
-
-
 def convention(train: TrainConfig) -> Precision:
-    """The memory model's convention a run trains in (:data:`course_lib.memory.PRECISIONS`): its own precision, or
+    """The memory model's convention a run trains in (:data:`course_lib.model.config.PRECISIONS`): its own precision, or
     ``fp32`` / ``fp64`` for one dtype throughout."""
     return PRECISIONS[train.precision or {"float32": "fp32", "float64": "fp64"}[train.dtype]]
 
 
 def full_precision(train: TrainConfig) -> TrainConfig:
     """The same run in fp32 throughout: what a mixed-precision loss curve is compared with."""
-    return replace(train, precision=None, half="bf16", loss_scale="auto", initial_scale=DEFAULT_SCALE)
+    return replace(train, precision=None, half="bf16", loss_scale="auto", initial_scale=DEFAULT_LOSS_SCALE)
 
 
 def state_bytes(train: TrainConfig, params: int, grads: int, optimizer: int, tensors: int) -> dict[str, int]:
@@ -129,7 +85,7 @@ def state_bytes(train: TrainConfig, params: int, grads: int, optimizer: int, ten
 def overflow_check_bytes(train: TrainConfig, n: int) -> float:
     """Bytes a rank sends per step so that n ranks holding slices of the gradients agree whether any overflowed:
     one all-reduced fp32 flag when the run scales its loss."""
-    return ring_factor("all_reduce", n) * 4 if scaling(train) is not None and n > 1 else 0.0
+    return ring_factor("all_reduce", n) * 4 if loss_scaling(train) is not None and n > 1 else 0.0
 
 
 # ------------------------------------------------------------------------------------------------ weights, gradients
@@ -139,7 +95,7 @@ def prepare(module: nn.Module, train: TrainConfig) -> nn.Module:
     ``.grad`` added in and dropped as soon as backward completes it, Megatron-LM's DDP hook). Unchanged in fp32."""
     if train.precision is None:
         return module
-    module.to(HALF[train.half])
+    module.to(HALF_TYPES[train.half])
     if train.precision == "megatron":
         for p in module.parameters():
             if p.requires_grad:
@@ -230,8 +186,9 @@ class LossScaler:
 
 
 def scaler_for(train: TrainConfig) -> LossScaler | None:
-    """The run's loss scaler (:func:`scaling`): dynamic from ``initial_scale``, fixed, or none."""
-    kind = scaling(train)
+    """The run's loss scaler (:func:`course_lib.model.config.loss_scaling`): dynamic from ``initial_scale``, fixed,
+    or none."""
+    kind = loss_scaling(train)
     if kind is None:
         return None
     return LossScaler(train.initial_scale) if kind == "dynamic" else LossScaler(kind, dynamic=False)
@@ -267,9 +224,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, defaults)
         dtypes = {p.dtype for group_ in self.param_groups for p in group_["params"]}
-        if len(dtypes) != 1 or not dtypes <= set(HALF.values()):
+        if len(dtypes) != 1 or not dtypes <= set(HALF_TYPES.values()):
             raise ValueError(
-                f"MixedPrecisionOptimizer takes parameters of one 16-bit type ({', '.join(HALF)}), got "
+                f"MixedPrecisionOptimizer takes parameters of one 16-bit type ({', '.join(HALF_TYPES)}), got "
                 f"{sorted(map(str, dtypes))}: cast the model first (precision.prepare)"
             )
         self.half = dtypes.pop()

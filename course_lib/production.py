@@ -55,7 +55,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib import launch, trace
 from course_lib.comm import Group
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, final_params, make_optimizer, synthetic_tokens
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, final_params, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import all_reduce_grads, batch_shard
 from course_lib.parallel.pipeline import build_stages, stage_params
 from course_lib.parallel.schedules import validate

@@ -13,8 +13,8 @@ Activation Recomputation in Large Transformer Models", §5) name the two ways th
 :func:`recompute` is ``torch.utils.checkpoint.checkpoint`` (non-reentrant, so split backward passes such as
 zero-bubble pipelines' ``torch.autograd.grad`` work) with its inputs also saved through autograd: a checkpoint holds
 its inputs in a closure, out of sight of ``saved_tensors_hooks``, so the memory meter
-(:class:`course_lib.memory.MemoryMeter`) would miss exactly what recomputation keeps. Saving them (no copy) makes
-the meter count them for as long as the segment's backward needs them. The run in backward is a ``recompute`` span
+(:class:`course_lib.ledgers.memory.MemoryMeter`) would miss exactly what recomputation keeps. Saving them (no copy)
+makes the meter count them for as long as the segment's backward needs them. The run in backward is a ``recompute`` span
 on the rank's timeline (:mod:`course_lib.trace`), carrying the FLOPs it cost; its collectives are tagged
 ``recomputed``. PyTorch's checkpoint stops the
 recomputation once it has rebuilt the last tensor the segment saved (``set_checkpoint_early_stop``), so what
@@ -26,23 +26,13 @@ The tiny GPT uses it through ``GPTConfig(recompute=...)``; :func:`apply` does th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib import trace
-
-if TYPE_CHECKING:
-    from course_lib.models import GPTConfig
-
-RECOMPUTE = ("none", "selective", "full")
-
-
-def check_mode(recompute: str) -> None:
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}")
+from course_lib.model.config import GPTConfig, check_recompute
 
 
 class _KeepInputs(torch.autograd.Function):
@@ -107,7 +97,7 @@ def apply(model: nn.Module, recompute: str) -> nn.Module:
     (the modules in its ``nn.ModuleList``s) a segment; ``selective`` each attention module (an
     ``nn.MultiheadAttention``, or a submodule named ``attn``, ``attention`` or ``self_attn``) whole, with its
     projections, the closest a model the course does not know gets to Korthikanti's selective recompute."""
-    check_mode(recompute)
+    check_recompute(recompute)
     if recompute == "none":
         return model
     if recompute == "full":

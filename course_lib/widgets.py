@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
-from course_lib.memory import model_state_formula
+from course_lib.model.formulas import model_state_formula
 from course_lib.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_schedule, plot_zero_memory
 
 # Room for the longest label ("microbatches m", "GPUs per node") before every control, so that the controls line up.
@@ -139,7 +139,7 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
 
 def _plot_plan(result) -> plt.Figure:
     """The chosen layout and the next fitting ones: per GPU, params, grads, optimizer and activations stacked
-    (:func:`course_lib.memory.memory_formula`), the GPU's memory as a dotted line."""
+    (:func:`course_lib.model.formulas.memory_formula`), the GPU's memory as a dotted line."""
     from course_lib.plan import describe
 
     shown = [result] + [c for c in result.candidates if c.fits and describe(c) != describe(result)][:2]

@@ -10,8 +10,8 @@ import torch
 
 from course_lib.comm import CommRecord
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

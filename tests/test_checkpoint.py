@@ -17,7 +17,8 @@ from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.harness import run_scheme
 from course_lib.launch import RankError
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from course_lib.cli import main
-from course_lib.models import GPTConfig, TinyGPT, count_params
+from course_lib.model.config import GPTConfig
+from course_lib.models import TinyGPT, count_params
 from course_lib.parallel.zero import bucket_sizes
 
 

@@ -11,8 +11,9 @@ import pytest
 
 from course_lib.estimates import VERDICTS, grade, load, model_answers, read
 from course_lib.goodput import LLAMA3, checkpoint_bytes_per_rank, expected_goodput
-from course_lib.memory import memory_formula
-from course_lib.plan import Layout, make_model
+from course_lib.model.config import Layout
+from course_lib.model.formulas import memory_formula
+from course_lib.plan import make_model
 
 RIGHT, CLOSE, WRONG = "right", "close", "wrong"
 SENT = 4096 * 8 * 7168 * 2 * 63 / 64  # DeepSeek-V3: tokens x top-8 x hidden x bf16, 63/64 leaving the rank
@@ -109,8 +110,8 @@ def test_cp_memory_by_hand():
     m = make_model(preset="llama3-405b-128k")
 
     def total(cp):  # TP 8 x PP 16 on 8,192 GPUs leave CP x DP = 64; ZeRO-2, SP, one sequence a microbatch
-        layout = {"dp": 64 // cp, "tp": 8, "pp": 16, "cp": cp, "sp": True, "micro_batch": 1}
-        return memory_formula(m.params, "mixed", 2, **layout, **m.memory_shape())["total"]
+        layout = Layout(dp=64 // cp, tp=8, pp=16, zero=2, cp=cp, sp=True, micro_batch=1)
+        return memory_formula(m.params, "mixed", layout, **m.memory_shape())["total"]
 
     assert total(16) <= 80e9 < total(8)
     assert round(total(16) / 1e9, 1) == 79.2 and round(total(8) / 1e9, 1) == 150.8

@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from course_lib import launch
 from course_lib.harness import reference_run, run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, synthetic_tokens, within_capacity
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import MoE, TinyGPT, synthetic_tokens, within_capacity
 from course_lib.parallel.expert import all_to_all_bytes, local_experts, shard_experts
 
 SMALL = GPTConfig(d_model=8, heads=1, ffn_mult=2, experts=2, capacity_factor=1.0)

@@ -18,7 +18,7 @@ from course_lib.cli import main
 from course_lib.faults import Fault
 from course_lib.forkserver import warm
 from course_lib.harness import run_scheme
-from course_lib.models import TrainConfig
+from course_lib.model.config import TrainConfig
 
 STALL_S = 2.0
 TRAIN = TrainConfig(steps=3)

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from course_lib import launch, trace
 from course_lib.harness import SCHEMES, run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import TrainConfig
 from course_lib.parallel import fsdp
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 

@@ -4,16 +4,16 @@ import pytest
 import torch
 from conftest import needs_cuda
 
-from course_lib.memory import (
-    MemoryMeter,
+from course_lib.ledgers.memory import MemoryMeter, model_state_bytes
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import (
     activation_bytes_per_layer,
     memory_formula,
-    model_state_bytes,
     model_state_formula,
     params_from_dims,
     tiny_gpt_activation_bytes,
 )
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer, synthetic_tokens
+from course_lib.models import TinyGPT, count_params, make_optimizer, synthetic_tokens
 
 
 def test_sixteen_bytes_per_parameter():

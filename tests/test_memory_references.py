@@ -17,8 +17,9 @@ from reference_estimators import (
     estimate_zero3_model_states_mem_needs,
 )
 
-from course_lib.memory import (
-    CATEGORIES,
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import Layout
+from course_lib.model.formulas import (
     activation_bytes_per_layer,
     memory_formula,
     model_state_formula,
@@ -77,16 +78,18 @@ def ours(args: MegatronArgs, as_megatron_counts_activations: bool = True) -> dic
     activation formula counts K and V as wide as Q and an MLP's inner activations as GELU's 4 ffn/h; with
     ``as_megatron_counts_activations`` we do too (else grouped-query attention and SwiGLU count as they are)."""
     gqa = args.num_query_groups if args.group_query_attention else None
+    layout = Layout(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
+        zero=1 if args.use_distributed_optimizer else 0, chunks=args.virtual_pipeline_model_parallel_size or 1,
+        sp=args.sequence_parallel, recompute=args.recompute_granularity or "none", micro_batch=args.micro_batch_size,
+    )  # fmt: skip
     return memory_formula(
-        counted_as_megatron_does(args), "megatron", 1 if args.use_distributed_optimizer else 0,
-        args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        layers=args.num_layers, seq=args.seq_length, micro_batch=args.micro_batch_size, hidden=args.hidden_size,
-        heads=args.num_attention_heads, sp=args.sequence_parallel, recompute=args.recompute_granularity or "none",
+        counted_as_megatron_does(args), "megatron", layout,
+        layers=args.num_layers, seq=args.seq_length, hidden=args.hidden_size, heads=args.num_attention_heads,
         ffn=args.ffn_hidden_size, vocab=args.padded_vocab_size, tied=not args.untie_embeddings_and_output_weights,
         kv_heads=None if as_megatron_counts_activations else gqa,
         swiglu=args.swiglu and not as_megatron_counts_activations,
         norm="rmsnorm" if args.normalization == "RMSNorm" else "layernorm",
-        chunks=args.virtual_pipeline_model_parallel_size or 1,
     )  # fmt: skip
 
 
@@ -181,7 +184,7 @@ def test_the_busiest_pipeline_stage_holds_an_embedding_matrix():
     """Llama-3-8B at PP 4: a stage holds 8 of 32 layers plus a 128,256 x 4096 matrix, 13% more weights and
     optimizer state than an even split (which the planner used to decide "fits" on)."""
     m = make_model(preset="llama3-8b")
-    busiest = states(memory_formula(m.params, "megatron", pp=4, **m.memory_shape()))
+    busiest = states(memory_formula(m.params, "megatron", Layout(pp=4), **m.memory_shape()))
     even = states(model_state_formula(m.params, "megatron", pp=4))
     assert busiest / even == pytest.approx(1.131, abs=0.001)
 
@@ -190,7 +193,8 @@ def test_activations_outside_the_layers_are_counted():
     """One stage: per layer what Table 2 counts, plus the token ids (8 bytes), the embedding's dropout mask (1
     byte a value), the output head's input and the fp32 logits (4sbh + 4sbV), split by TP under SP."""
     s, b, h, a, v, t, layers = 4096, 2, 2048, 16, 50304, 4, 12
-    got = memory_formula(1e9, "mixed", tp=t, layers=layers, seq=s, micro_batch=b, hidden=h, heads=a, sp=True, vocab=v)
+    layout = Layout(tp=t, sp=True, micro_batch=b)
+    got = memory_formula(1e9, "mixed", layout, layers=layers, seq=s, hidden=h, heads=a, vocab=v)
     layer = activation_bytes_per_layer(s, b, h, a, t, sp=True)
     assert got["activations"] == pytest.approx(
         layers * layer + (8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * v) / t
@@ -199,7 +203,7 @@ def test_activations_outside_the_layers_are_counted():
 
 def test_the_last_stage_is_the_busiest_when_the_vocabulary_is_large():
     """Its one microbatch of layers and the logits against the first stage's p microbatches in flight."""
-    got = memory_formula(1e9, "mixed", pp=8, layers=8, seq=8192, hidden=1024, heads=8, vocab=256000)
+    got = memory_formula(1e9, "mixed", Layout(pp=8), layers=8, seq=8192, hidden=1024, heads=8, vocab=256000)
     assert got["stage"] == "last"
 
 
@@ -207,7 +211,7 @@ def test_zero3_keeps_the_gathered_layer():
     """Llama-3-8B with ZeRO-3 over 512 GPUs: the shards are 0.25 GB, but the embedding (525M parameters) must be
     gathered whole, its 16-bit weights and then its gradient: at least 2.1 GB."""
     m = make_model(preset="llama3-8b")
-    got = states(memory_formula(m.params, "mixed", zero=3, dp=512, **m.memory_shape()))
+    got = states(memory_formula(m.params, "mixed", Layout(dp=512, zero=3), **m.memory_shape()))
     assert got > 4 * 128256 * 4096 > 2.1e9
     assert states(model_state_formula(m.params, "mixed", zero=3, dp=512)) == pytest.approx(16 * m.params / 512)
 

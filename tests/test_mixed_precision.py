@@ -9,16 +9,12 @@ import torch
 
 from course_lib import comm, launch, precision
 from course_lib.harness import SCHEMES, run_scheme
-from course_lib.memory import CATEGORIES, PRECISIONS, model_state_formula
-from course_lib.models import (
-    GPTConfig,
-    TinyGPT,
-    TrainConfig,
-    build_model,
-    count_params,
-    synthetic_tokens,
-    train_reference,
-)
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import PRECISIONS
+from course_lib.model.formulas import model_state_formula
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, build_model, count_params, synthetic_tokens, train_reference
+from course_lib.model.config import PRECISIONS, GPTConfig, TrainConfig
 from course_lib.precision import DP_TOLERANCE, LOSS_TOLERANCE, LossScaler, MixedPrecisionOptimizer
 
 # Every parameter trains (no frozen position table), so bytes per parameter need no correction for frozen ones.
@@ -193,7 +189,8 @@ def test_the_optimizer_takes_16_bit_parameters_only():
 
 
 LOUD_FILE = """
-from course_lib.models import GPTConfig, TinyGPT
+from course_lib.model.config import GPTConfig
+from course_lib.models import TinyGPT
 
 
 class Loud(TinyGPT):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, max_param_diff, synthetic_tokens, train_reference
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, max_param_diff, synthetic_tokens, train_reference
 
 
 def test_same_seed_same_model_other_seed_other_model():

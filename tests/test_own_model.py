@@ -11,8 +11,8 @@ from torch import nn
 
 from course_lib.cli import main
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 
 VOCAB = GPTConfig().vocab
 

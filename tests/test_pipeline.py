@@ -6,8 +6,8 @@ import itertools
 import pytest
 
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers
 from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, check, generate, simulate
 

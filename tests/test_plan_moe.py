@@ -7,7 +7,7 @@ import json
 import pytest
 
 from course_lib.cli import main
-from course_lib.memory import activation_bytes_per_layer, model_state_formula
+from course_lib.model.formulas import activation_bytes_per_layer, model_state_formula
 from course_lib.network import Network
 from course_lib.plan import (
     PRESETS,

@@ -10,7 +10,7 @@ from matplotlib.colors import to_hex  # noqa: E402
 
 from course_lib.comm import CommRecord  # noqa: E402
 from course_lib.harness import run_scheme  # noqa: E402
-from course_lib.models import TrainConfig  # noqa: E402
+from course_lib.model.config import TrainConfig  # noqa: E402
 from course_lib.plots import (  # noqa: E402
     KIND_COLORS,
     byte_unit,

@@ -12,7 +12,8 @@ import torch
 
 from course_lib import launch
 from course_lib.harness import run_scheme
-from course_lib.models import GPTConfig, TrainConfig, TrainResult, rel_param_diff, train_reference
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TrainResult, rel_param_diff, train_reference
 from course_lib.parallel.context import local_positions
 from course_lib.parallel.pipeline import train_pipeline
 from course_lib.parallel.tensor import train_tensor_parallel

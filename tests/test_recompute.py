@@ -7,14 +7,12 @@ import torch
 from torch import nn
 
 from course_lib import trace
-<<<<<<< HEAD
 from course_lib.cluster.profiles import get_profile
-=======
-from course_lib.hardware import get_profile
 from course_lib.harness import run_scheme
->>>>>>> split-practice
-from course_lib.memory import MemoryMeter, activation_bytes_per_layer, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, synthetic_tokens
+from course_lib.ledgers.memory import MemoryMeter
+from course_lib.model.formulas import activation_bytes_per_layer, tiny_gpt_activation_bytes
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, synthetic_tokens
 from course_lib.recompute import apply, extra_flops_per_layer
 
 CASES = [

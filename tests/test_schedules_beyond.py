@@ -10,8 +10,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from course_lib.cli import main
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.schedules import (
     COMPUTE,
     V_SHAPED,

@@ -7,7 +7,7 @@ import torch
 
 from course_lib import launch
 from course_lib.harness import run_scheme
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 
 WAYS = {
     "cpu-through-host": {"patch": ("course_lib.comm", "THROUGH_HOST", True)},

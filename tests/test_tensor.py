@@ -9,8 +9,10 @@ import torch.distributed as dist
 
 from course_lib import launch
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES, MemoryMeter, tiny_gpt_activation_bytes
-from course_lib.models import Block, GPTConfig, TinyGPT, TrainConfig, synthetic_tokens
+from course_lib.ledgers.memory import CATEGORIES, MemoryMeter
+from course_lib.model.formulas import tiny_gpt_activation_bytes
+from course_lib.models import Block, TinyGPT, synthetic_tokens
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

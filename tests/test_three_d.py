@@ -10,8 +10,9 @@ import torch
 from course_lib import launch
 from course_lib.cluster.clock import replay
 from course_lib.harness import run_scheme
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, within_capacity
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, within_capacity
 from course_lib.parallel.three_d import predict_axis_traffic
 
 CFG = GPTConfig(layers=4)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, count_params, final_params, make_optimizer
 from course_lib.parallel import data
 from course_lib.parallel.interface import Scheme
 

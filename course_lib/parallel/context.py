@@ -48,8 +48,9 @@ import torch.distributed as dist
 
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import adamw_state_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, final_params, make_optimizer
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import adamw_state_bytes
+from course_lib.models import TinyGPT, count_params, final_params, make_optimizer
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.tensor import TensorParallelGPT, all_gather_along, ring_peer
@@ -368,9 +369,9 @@ def context_parallel_activation_bytes(
     cfg: GPTConfig, micro_batch: int, element_size: int, n: int, rank: int, kv: str
 ) -> int:
     """Exact saved-activation bytes of one forward of the tiny GPT on rank ``rank`` of ``n`` context-parallel ranks
-    (what :class:`course_lib.memory.MemoryMeter` measures), with L = s/N local tokens.
+    (what :class:`course_lib.ledgers.memory.MemoryMeter` measures), with L = s/N local tokens.
 
-    Token-wise parts, as :func:`course_lib.memory.tiny_gpt_activation_bytes` counts them for L tokens: per layer
+    Token-wise parts, as :func:`course_lib.model.formulas.tiny_gpt_activation_bytes` counts them for L tokens: per layer
     13Lbh + 4Lb elements outside the attention core (LayerNorms, qkv and projection inputs, the MLP), outside the
     layers the token ids, final LayerNorm, head input, log-softmax and loss (and, when the position embedding
     trains, the L int64 global positions its lookup keeps). Attention per layer: the scaled queries

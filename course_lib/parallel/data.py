@@ -25,11 +25,11 @@ from torch import nn
 
 from course_lib import checkpoint, comm, faults, launch, precision, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import MemoryMeter, tiny_gpt_activation_bytes
+from course_lib.ledgers.memory import MemoryMeter
+from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
+from course_lib.model.formulas import tiny_gpt_activation_bytes
 from course_lib.models import (
-    GPTConfig,
     ModelFactory,
-    TrainConfig,
     build_model,
     count_params,
     final_params,
@@ -418,7 +418,7 @@ def check_single(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> int:
     """Saved activations of one micro-batch of this rank's share of the batch
-    (:func:`course_lib.memory.tiny_gpt_activation_bytes`)."""
+    (:func:`course_lib.model.formulas.tiny_gpt_activation_bytes`)."""
     micro = train.batch // (world_size * o["grad_accum"])
     return tiny_gpt_activation_bytes(cfg, micro, train.torch_dtype.itemsize)["total"]
 
@@ -469,7 +469,7 @@ SCHEMES = (
         axes=(),
         moe=True,
         checkpoint=True,
-        precisions=precision.CONVENTIONS,
+        precisions=MIXED_PRECISIONS,
     ),
     Scheme(
         "dp",
@@ -480,6 +480,6 @@ SCHEMES = (
         predict_comm,
         (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM, MODEL),
         checkpoint=True,
-        precisions=precision.CONVENTIONS,
+        precisions=MIXED_PRECISIONS,
     ),
 )

@@ -41,18 +41,9 @@ from torch import nn
 
 from course_lib import comm, launch, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import adamw_state_bytes
-from course_lib.models import (
-    GPTConfig,
-    MoE,
-    Routing,
-    TinyGPT,
-    TrainConfig,
-    count_params,
-    final_params,
-    make_optimizer,
-    within_capacity,
-)
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import adamw_state_bytes
+from course_lib.models import MoE, Routing, TinyGPT, count_params, final_params, make_optimizer, within_capacity
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, check_batch_split, train_loop
 from course_lib.parallel.interface import Scheme
 

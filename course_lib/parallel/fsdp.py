@@ -32,16 +32,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from course_lib import comm, launch, precision, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import resize_storage
-from course_lib.models import (
-    GPTConfig,
-    ModelFactory,
-    TinyGPT,
-    TrainConfig,
-    build_model,
-    count_params,
-    optimizer_settings,
-)
+from course_lib.ledgers.memory import resize_storage
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import ModelFactory, TinyGPT, build_model, count_params, optimizer_settings
 from course_lib.parallel.data import (
     GRAD_ACCUM,
     MODEL,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from course_lib.models import GPTConfig, TrainConfig
+    from course_lib.model.config import GPTConfig, TrainConfig
 
 Check = Callable[[int, "GPTConfig", "TrainConfig", dict], None]
 Prediction = Callable[[int, "GPTConfig", "TrainConfig", dict], list[dict]]
@@ -54,7 +54,7 @@ class Scheme:
     or several, each an option, whose product is the world size. ``describe`` adds scheme-specific entries to the
     report (a pipeline's plan); ``layers_needed`` is the fewest layers the model needs (one per pipeline stage).
     ``moe`` says whether the scheme trains a tiny GPT with experts (``GPTConfig.experts`` > 0) exactly; the harness
-    refuses an MoE model for the others. ``model_settings`` are the fields of :class:`course_lib.models.GPTConfig`
+    refuses an MoE model for the others. ``model_settings`` are the fields of :class:`course_lib.model.config.GPTConfig`
     the command line and the demo give the scheme's model unless the user gives them (``ep``: 8 experts, top-2).
     ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
     the ranks' reports and the settings: ``routed_comm(results, cfg, train, o)`` gives each rank's bytes by

@@ -25,8 +25,9 @@ from torch import nn
 from course_lib import comm, launch, trace
 from course_lib.checkpoint import Held
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.models import MoE, TinyGPT, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.schedules import (
@@ -372,8 +373,8 @@ def activation_peaks(
 
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
-    """Per rank: AdamW's states of the stages it holds (:func:`course_lib.memory.adamw_state_bytes`) and the peak
-    of the activations its table keeps alive (:func:`activation_peaks`)."""
+    """Per rank: AdamW's states of the stages it holds (:func:`course_lib.model.formulas.adamw_state_bytes`) and the
+    peak of the activations its table keeps alive (:func:`activation_peaks`)."""
     peaks = activation_peaks(cfg, train, world_size, o, train.batch // o["microbatches"])
     rows = []
     layout = stage_layout(cfg, train, world_size, o["chunks"], o["schedule"])

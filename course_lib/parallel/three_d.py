@@ -60,7 +60,6 @@ from torch import nn
 
 from course_lib import comm, launch
 from course_lib.comm import ring_factor
-from course_lib.memory import adamw_state_bytes
 from course_lib.mesh import (
     AXES,
     Mesh,
@@ -72,7 +71,9 @@ from course_lib.mesh import (
     joint_axes,
     joint_group,
 )
-from course_lib.models import GPTConfig, MoE, TrainConfig, make_optimizer, optimizer_settings
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import adamw_state_bytes
+from course_lib.models import MoE, make_optimizer, optimizer_settings
 from course_lib.parallel.context import (
     KV,
     TensorContextParallelGPT,

@@ -28,15 +28,8 @@ from torch import nn
 
 from course_lib import comm, launch, precision, trace
 from course_lib.comm import Group, ring_factor
-from course_lib.models import (
-    GPTConfig,
-    ModelFactory,
-    TrainConfig,
-    build_model,
-    count_params,
-    final_params,
-    optimizer_settings,
-)
+from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
+from course_lib.models import ModelFactory, build_model, count_params, final_params, optimizer_settings
 from course_lib.parallel.data import (
     BUCKET_MB,
     GRAD_ACCUM,
@@ -391,7 +384,7 @@ def _scheme(stage: int, summary: str) -> Scheme:
         predict_comm,
         options,
         checkpoint=True,
-        precisions=precision.CONVENTIONS,
+        precisions=MIXED_PRECISIONS,
     )
 
 

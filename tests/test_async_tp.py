@@ -11,13 +11,8 @@ import torch
 from course_lib.comm import CommRecord
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
-from course_lib.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    async_tp_messages,
-    collectives_per_step,
-    sequence_parallel_grad_bytes,
-)
+from course_lib.parallel.tensor import async_tp_messages, collectives_per_step, sequence_parallel_grad_bytes
+from course_lib.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from course_lib.schemes import run_scheme
 from course_lib.trace import Compute, Issue, Wait
 

@@ -11,14 +11,13 @@ from course_lib import launch
 from course_lib.memory import CATEGORIES, MemoryMeter, tiny_gpt_activation_bytes
 from course_lib.models import Block, GPTConfig, TinyGPT, TrainConfig, synthetic_tokens
 from course_lib.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelGPT,
     TensorParallelStrategy,
     collectives_per_step,
-    gather_sequence,
     sequence_parallel_grad_bytes,
 )
+from course_lib.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from course_lib.parallel.tensor_mappings import gather_sequence
 from course_lib.schemes import run_scheme
 
 CFG = GPTConfig()

@@ -226,7 +226,7 @@ SCHEDULE_COLORS = {"F": KIND_COLORS["forward"], "B": KIND_COLORS["backward"], "W
 
 
 def plot_schedule(simulation, ax=None, title: str = "Pipeline schedule") -> plt.Figure:
-    """A simulated schedule (:func:`course_lib.parallel.schedules.simulate`): per rank its F, B and W actions,
+    """A simulated schedule (:func:`course_lib.parallel.schedule_sim.simulate`): per rank its F, B and W actions,
     each labelled with its microbatch (and chunk), odd chunks hatched (a V's second leg, stage 2p-1-r), idle time
     left blank; the bubble fraction in the title."""
     p = len(simulation.busy)

@@ -8,7 +8,8 @@ import pytest
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers
-from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, check, generate, simulate
+from course_lib.parallel.schedule_sim import check, simulate
+from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, generate
 from course_lib.schemes import run_scheme
 
 CFG = GPTConfig(layers=4)

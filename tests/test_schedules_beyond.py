@@ -11,19 +11,18 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from course_lib.cli import main
 from course_lib.memory import CATEGORIES
 from course_lib.models import GPTConfig, TrainConfig
+from course_lib.parallel.schedule_sim import check, simulate
 from course_lib.parallel.schedules import (
     COMPUTE,
     V_SHAPED,
     Costs,
     bubble_formula,
-    check,
     chunks_per_rank,
     embedding_ranks,
     formula_holds,
     generate,
     idle_formula,
     peak_activations,
-    simulate,
     stage_owner,
     tables_from_orders,
     virtual_stage,

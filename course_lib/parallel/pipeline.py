@@ -29,6 +29,7 @@ from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.schedule_sim import simulate
 from course_lib.parallel.schedules import (
     SCHEDULES,
     Action,
@@ -37,7 +38,6 @@ from course_lib.parallel.schedules import (
     default_costs,
     embedding_ranks,
     generate,
-    simulate,
     virtual_stage,
 )
 from course_lib.parallel.schedules import validate as validate_schedule

@@ -57,7 +57,7 @@ BUGS = {
             "A teammate's tensor-parallel run trains, but its loss drifts from the single-GPU run. Find the layer.",
             "tp",
             2,
-            ("course_lib.parallel.tensor", "RowParallelLinear.forward"),
+            ("course_lib.parallel.tensor_layers", "RowParallelLinear.forward"),
             _row_forward_without_g,
         ),
         Bug(

@@ -108,22 +108,7 @@ def plot_timeline(
             seen.add(e.kind)
     steps = _step_spans(events_per_rank)
     if len(steps) > 1:
-        row, last = 0, None
-        for step, (start, _) in steps.items():
-            x = (start - origin) * factor
-            row = 1 - row if last is not None and x - last < 0.08 * extent * factor else 0  # a second row if close
-            last = x
-            ax.axvline(x, color="0.35", ls=":", lw=0.8, zorder=1)
-            ax.annotate(
-                f"step {step}",
-                (x, 1.0),
-                xycoords=ax.get_xaxis_transform(),
-                xytext=(2, -2 - 10 * row),
-                textcoords="offset points",
-                fontsize=8,
-                va="top",
-                color="0.25",
-            )
+        _mark_steps(ax, steps, origin, factor, extent)
     ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
     ax.set_ylim(n - 0.5, -0.5 - 0.45 * (len(steps) > 1))  # room for two rows of step labels
     ax.set_xlabel(f"{clock}: time ({unit}) from the first event shown")
@@ -147,6 +132,26 @@ def plot_timeline(
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS[k]) for k in kinds]
     ax.legend(handles, [_kind_label(k, wall) for k in kinds], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
+
+
+def _mark_steps(ax, steps: dict[int, tuple[float, float]], origin: float, factor: float, extent: float) -> None:
+    """A dotted line where each step begins, labelled at the top; a label close to the last one goes a row lower."""
+    row, last = 0, None
+    for step, (start, _) in steps.items():
+        x = (start - origin) * factor
+        row = 1 - row if last is not None and x - last < 0.08 * extent * factor else 0
+        last = x
+        ax.axvline(x, color="0.35", ls=":", lw=0.8, zorder=1)
+        ax.annotate(
+            f"step {step}",
+            (x, 1.0),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(2, -2 - 10 * row),
+            textcoords="offset points",
+            fontsize=8,
+            va="top",
+            color="0.25",
+        )
 
 
 def _kind_label(kind: str, wall: bool) -> str:
@@ -226,7 +231,7 @@ SCHEDULE_COLORS = {"F": KIND_COLORS["forward"], "B": KIND_COLORS["backward"], "W
 
 
 def plot_schedule(simulation, ax=None, title: str = "Pipeline schedule") -> plt.Figure:
-    """A simulated schedule (:func:`course_lib.parallel.schedules.simulate`): per rank its F, B and W actions,
+    """A simulated schedule (:func:`course_lib.parallel.schedule_sim.simulate`): per rank its F, B and W actions,
     each labelled with its microbatch (and chunk), odd chunks hatched (a V's second leg, stage 2p-1-r), idle time
     left blank; the bubble fraction in the title."""
     p = len(simulation.busy)

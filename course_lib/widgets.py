@@ -89,7 +89,8 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
     only (zb-v and dualpipev fix 2 per rank, in a V); W stays enabled for all, since a schedule that does not split
     the backward runs W inside B (B costs B + W). ``result`` is the figure drawn, None if the sizes do not suit the
     schedule."""
-    from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, formula_text, generate, simulate
+    from course_lib.parallel.schedule_sim import simulate
+    from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, formula_text, generate
 
     def draw(
         schedule: str, stages: int, microbatches: int, chunks: int, f: float, b: float, w: float

@@ -12,19 +12,18 @@ from course_lib.cli import main
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.parallel.schedule_sim import check, simulate
 from course_lib.parallel.schedules import (
     COMPUTE,
     V_SHAPED,
     Costs,
     bubble_formula,
-    check,
     chunks_per_rank,
     embedding_ranks,
     formula_holds,
     generate,
     idle_formula,
     peak_activations,
-    simulate,
     stage_owner,
     tables_from_orders,
     virtual_stage,

@@ -14,14 +14,14 @@ from course_lib.model.formulas import tiny_gpt_activation_bytes
 from course_lib.models import Block, TinyGPT, synthetic_tokens
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelGPT,
     TensorParallelStrategy,
     collectives_per_step,
-    gather_sequence,
     sequence_parallel_grad_bytes,
 )
+from course_lib.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from course_lib.parallel.tensor_mappings import gather_sequence
+from course_lib.harness import run_scheme
 
 CFG = GPTConfig()
 

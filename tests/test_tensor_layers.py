@@ -17,16 +17,15 @@ from torch.distributed.tensor import parallel as torch_tp
 from course_lib import comm, launch
 from course_lib.models import rel_param_diff
 from course_lib.parallel.data import broadcast_from_first
-from course_lib.parallel.tensor import (
+from course_lib.parallel.tensor_layers import (
     ColumnParallelLinear,
     ColwiseParallel,
     RowParallelLinear,
     RowwiseParallel,
-    copy_to_tensor_parallel,
     full_parameters,
     parallelize_module,
-    reduce_from_tensor_parallel,
 )
+from course_lib.parallel.tensor_mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 D, HEADS, HIDDEN, BLOCKS, BATCH, SEQ, STEPS = 16, 4, 32, 2, 3, 8, 3
 RTOL = {"float64": 1e-10, "float32": 1e-5}  # float64 elementwise, float32 whole-model: rel_diff

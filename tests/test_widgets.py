@@ -7,7 +7,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib.parallel.schedules import SCHEDULES, Costs, generate, simulate  # noqa: E402
+from course_lib.parallel.schedule_sim import simulate  # noqa: E402
+from course_lib.parallel.schedules import SCHEDULES, Costs, generate  # noqa: E402
 from course_lib.widgets import (  # noqa: E402
     billions_slider,
     planner_form,

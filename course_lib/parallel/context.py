@@ -53,7 +53,8 @@ from course_lib.model.formulas import adamw_state_bytes
 from course_lib.models import TinyGPT, count_params, final_params, make_optimizer
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.interface import Option, Scheme
-from course_lib.parallel.tensor import TensorParallelGPT, all_gather_along, ring_peer
+from course_lib.parallel.tensor import TensorParallelGPT
+from course_lib.parallel.tensor_mappings import all_gather_along, ring_peer
 
 
 def chunks_of(rank: int, n: int) -> tuple[int, int]:

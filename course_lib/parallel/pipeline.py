@@ -30,6 +30,7 @@ from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_byt
 from course_lib.models import MoE, TinyGPT, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.schedule_sim import simulate
 from course_lib.parallel.schedules import (
     SCHEDULES,
     Action,
@@ -38,7 +39,6 @@ from course_lib.parallel.schedules import (
     default_costs,
     embedding_ranks,
     generate,
-    simulate,
     virtual_stage,
 )
 from course_lib.parallel.schedules import validate as validate_schedule

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-rank tables of actions, generated, checked and simulated in pure Python.
+"""Pipeline schedules as data: per-rank tables of actions, generated in pure Python, and the papers' closed forms.
 
 A pipeline of ``p`` ranks runs ``m`` microbatches through ``v * p`` *virtual stages*, v chunks per rank, placed by
 :func:`virtual_stage`: in a loop chunk c of rank r is stage c*p + r (Narayanan et al. 2021, §2.2; v = 1 without
@@ -21,10 +21,11 @@ of its gradient (SEND_B / RECV_B); neighbouring stages on one rank (the turn of 
   order of deepseek-ai/DualPipe's ``dualpipev.py``): the V, with a forward of one chunk paired with the full
   backward of the other, which DualPipe overlaps and the course's CPU ranks run one after the other.
 
-The same tables drive :func:`simulate` (makespan, idle and bubble per stage, peak microbatches in flight),
-:func:`check` (every dependency respected, each peer's messages received in the order it sends them, no deadlock)
-and the executor in :mod:`course_lib.parallel.pipeline`. :func:`idle_formula` and :func:`bubble_formula` give the
-papers' closed forms where they are this table's (:func:`formula_holds`), :func:`peak_activations` their memory.
+The same tables drive :mod:`course_lib.parallel.schedule_sim` (``simulate``: makespan, idle and bubble per stage,
+peak microbatches in flight; ``check``: every dependency respected, each peer's messages received in the order it
+sends them, no deadlock) and the executor in :mod:`course_lib.parallel.pipeline`. :func:`idle_formula` and
+:func:`bubble_formula` give the papers' closed forms where they are this table's (:func:`formula_holds`),
+:func:`peak_activations` their memory.
 ZB-V, DualPipeV and ZB-H1 (at equal costs) run the same compute order as PyTorch's ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV`` and ``ScheduleInterleavedZeroBubble`` (``tests/test_schedules_beyond.py``).
 """
@@ -395,13 +396,20 @@ def _with_transfers(schedule: str, r: int, p: int, v: int, units: list[list[tupl
     return out
 
 
-def _sends(tables: list[list[Action]]) -> dict[tuple[int, int], list[tuple]]:
+def transfer_key(a: Action) -> tuple:
+    """The same key on the SEND and on its RECV: what moves, which microbatch, from which virtual stage."""
+    if a.kind in ("SEND_F", "SEND_B"):
+        return (a.kind[-1], a.microbatch, a.stage)
+    return (a.kind[-1], a.microbatch, a.stage + (-1 if a.kind == "RECV_F" else 1))  # a receive names the sender's
+
+
+def sends_in_order(tables: list[list[Action]]) -> dict[tuple[int, int], list[tuple]]:
     """Per (sender, receiver) pair of ranks, the keys of the messages in the order the sender sends them."""
     sent: dict[tuple[int, int], list[tuple]] = {}
     for r, table in enumerate(tables):
         for a in table:
             if a.kind.startswith("SEND"):
-                sent.setdefault((r, a.peer), []).append(_transfer_key(a))
+                sent.setdefault((r, a.peer), []).append(transfer_key(a))
     return sent
 
 
@@ -415,142 +423,24 @@ def _in_send_order(tables: list[list[Action]]) -> list[list[Action]]:
     rank r+1 may need the other way round. Its receive of a message is therefore preceded by the receives of all
     the peer sent before it (they have arrived by then: no new wait, the same simulated time), so an activation
     can be received a little before its F needs it."""
-    sent = _sends(tables)
+    sent = sends_in_order(tables)
     out = []
     for r, table in enumerate(tables):
         queues = {src: deque(keys) for (src, dst), keys in sent.items() if dst == r}
-        receive = {_transfer_key(a): a for a in table if a.kind.startswith("RECV")}
+        receive = {transfer_key(a): a for a in table if a.kind.startswith("RECV")}
         taken: set = set()
         ordered = []
         for a in table:
             if not a.kind.startswith("RECV"):
                 ordered.append(a)
                 continue
-            key = _transfer_key(a)
+            key = transfer_key(a)
             while key not in taken:
                 earlier = queues[a.peer].popleft()
                 ordered.append(receive[earlier])
                 taken.add(earlier)
         out.append(ordered)
     return out
-
-
-@dataclass
-class Simulation:
-    """The table run with given costs: per rank its busy intervals, idle time and peak microbatches in flight."""
-
-    makespan: float
-    busy: list[list[tuple]]  # per rank: (start, end, action)
-    idle: list[float]
-    bubble_fraction: float  # idle / makespan, averaged over ranks
-    peak_inflight: list[int]  # (microbatch, chunk) pairs between their F and their last backward pass
-    deadlocked: list[tuple] = field(default_factory=list)  # (rank, action it waits at) if it could not finish
-
-
-def simulate(tables: list[list[Action]], costs: Costs = Costs(), split_backward: bool | None = None) -> Simulation:
-    """Run the tables: compute takes its cost, a RECV waits for its SEND, a SEND does not wait (as isend).
-
-    Costs are per stage of one rank; with v chunks per rank each chunk's action costs 1/v of them. B costs
-    ``costs.b`` when the table has W actions, else ``costs.b + costs.w`` (the whole backward).
-    """
-    if split_backward is None:
-        split_backward = any(a.kind == "W" for t in tables for a in t)
-    v = 1 + max((a.chunk for t in tables for a in t), default=0)
-    cost = {"F": costs.f / v, "B": (costs.b if split_backward else costs.b + costs.w) / v, "W": costs.w / v}
-    p = len(tables)
-    clock, pc = [0.0] * p, [0] * p
-    sent: dict = {}
-    busy: list[list[tuple]] = [[] for _ in range(p)]
-    inflight, peak = [set() for _ in range(p)], [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(tables[r]):
-                a = tables[r][pc[r]]
-                if a.kind.startswith("RECV"):
-                    key = _transfer_key(a)
-                    if key not in sent:
-                        break
-                    clock[r] = max(clock[r], sent[key])
-                elif a.kind.startswith("SEND"):
-                    sent[_transfer_key(a)] = clock[r]
-                else:
-                    busy[r].append((clock[r], clock[r] + cost[a.kind], a))
-                    clock[r] += cost[a.kind]
-                    if a.kind == "F":
-                        inflight[r].add((a.microbatch, a.chunk))
-                        peak[r] = max(peak[r], len(inflight[r]))
-                    elif a.kind == ("W" if split_backward else "B"):  # its activations are freed
-                        inflight[r].discard((a.microbatch, a.chunk))
-                pc[r] += 1
-                progress = True
-    stuck = [(r, tables[r][pc[r]]) for r in range(p) if pc[r] < len(tables[r])]
-    makespan = max(clock) if clock else 0.0
-    idle = [makespan - sum(e - s for s, e, _ in rank_busy) for rank_busy in busy]
-    return Simulation(makespan, busy, idle, sum(idle) / (p * makespan) if makespan else 0.0, peak, stuck)
-
-
-def _transfer_key(a: Action) -> tuple:
-    """The same key on the SEND and on its RECV: what moves, which microbatch, from which virtual stage."""
-    if a.kind in ("SEND_F", "SEND_B"):
-        return (a.kind[-1], a.microbatch, a.stage)
-    return (a.kind[-1], a.microbatch, a.stage + (-1 if a.kind == "RECV_F" else 1))  # a receive names the sender's
-
-
-def check(tables: list[list[Action]], microbatches: int, chunks: int = 1) -> None:
-    """Raise ValueError unless every (microbatch, stage) is run forward and backward exactly once, on its rank, in
-    dependency order (an F after its input arrived or was made on the rank, a B after the gradient of its output,
-    a W after its B), every RECV has its SEND, each rank receives a peer's messages in the order the peer sends
-    them, and the tables cannot deadlock."""
-    last = max((a.stage for t in tables for a in t), default=0)
-    for r, table in enumerate(tables):
-        done, arrived = [], set()
-        for a in table:
-            if a.kind.startswith("RECV"):
-                arrived.add(_transfer_key(a))
-            if a.kind in COMPUTE:
-                if (a.kind, a.microbatch, a.chunk) in done:
-                    raise ValueError(f"rank {r} runs {a} twice")
-                if a.kind == "B" and ("F", a.microbatch, a.chunk) not in done:
-                    raise ValueError(f"rank {r} runs {a} before the forward it differentiates")
-                if a.kind == "W" and ("B", a.microbatch, a.chunk) not in done:
-                    raise ValueError(f"rank {r} runs {a} before its B")
-                needs = _needs(a, last)
-                if needs is not None and needs not in arrived:
-                    raise ValueError(f"rank {r} runs {a} (stage {a.stage}) before its input from stage {needs[2]}")
-                done.append((a.kind, a.microbatch, a.chunk))
-                if a.kind != "W":
-                    arrived.add((a.kind, a.microbatch, a.stage))
-        kinds = {"F", "B"} | ({"W"} if any(d[0] == "W" for d in done) else set())
-        want = {(k, mb, c) for k in kinds for mb in range(microbatches) for c in range(chunks)}
-        if set(done) != want:
-            missing = sorted(want - set(done))[:3]
-            raise ValueError(f"rank {r} does not run every microbatch through its chunks; missing e.g. {missing}")
-    sends = {_transfer_key(a) for t in tables for a in t if a.kind.startswith("SEND")}
-    recvs = {_transfer_key(a) for t in tables for a in t if a.kind.startswith("RECV")}
-    if sends != recvs:
-        raise ValueError(f"unmatched transfers: {sorted(sends ^ recvs)[:3]}")
-    for (src, dst), keys in _sends(tables).items():
-        received = [_transfer_key(a) for a in tables[dst] if a.kind.startswith("RECV") and a.peer == src]
-        if received != keys:
-            first = next(i for i, (x, y) in enumerate(zip(received, keys, strict=True)) if x != y)
-            raise ValueError(
-                f"rank {dst} receives {received[first]} from rank {src} before {keys[first]}, which rank {src} sends "
-                "first: the receive would take the wrong tensor"
-            )
-    stuck = simulate(tables).deadlocked
-    if stuck:
-        raise ValueError("the tables deadlock: " + ", ".join(f"rank {r} waits at {a}" for r, a in stuck))
-
-
-def _needs(a: Action, last: int) -> tuple | None:
-    """The output an F or B needs first: the previous stage's activation, or the next stage's gradient."""
-    if a.kind == "F" and a.stage > 0:
-        return ("F", a.microbatch, a.stage - 1)
-    if a.kind == "B" and a.stage < last:
-        return ("B", a.microbatch, a.stage + 1)
-    return None
 
 
 FORMULA_RANGES = {
@@ -568,8 +458,8 @@ FORMULA_RANGES = {
 
 def formula_holds(schedule: str, stages: int, microbatches: int, costs: Costs) -> bool:
     """Whether :func:`idle_formula`'s closed form is this module's table's idle time (``FORMULA_RANGES``; always
-    for GPipe, 1F1B and the interleaved schedule). Each range is checked against :func:`simulate` over a grid of
-    p, m, F, B and W in the tests.
+    for GPipe, 1F1B and the interleaved schedule). Each range is checked against
+    :func:`course_lib.parallel.schedule_sim.simulate` over a grid of p, m, F, B and W in the tests.
 
     ZB-H1: Qi et al. 2023 (§3.1) derive it for T_W no more than T_F and T_B, with at least p microbatches; the
     greedy table here places a deferred W in a rank's wait only whole, so a wait that is not a whole number of W's
@@ -659,7 +549,7 @@ def peak_activations(schedule: str, stages: int, microbatches: int, chunks: int 
     1F1B's p (GPipe's m), the interleaved schedule's p + (p-1)/v (Narayanan et al. 2021, §2.2.2: 1 + (p-1)/(p v)
     times 1F1B's), ZB-H1's p, ZB-H2's 2p-1 (Qi et al. 2023, §3.1), ZB-V's p (2p chunks of half a stage, §6) and
     DualPipeV's p + 1/2 (DeepSeek's PP+1 chunks, Table 2), each at most one per microbatch: the peak of
-    :func:`simulate`'s in-flight count over the chunks of a stage, with enough microbatches."""
+    ``schedule_sim.simulate``'s in-flight count over the chunks of a stage, with enough microbatches."""
     p, m, v = stages, microbatches, chunks_per_rank(schedule, chunks)
     peak = {
         "gpipe": m,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from course_lib import launch
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import PROFILES, HardwareProfile, get_profile
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
 from course_lib.trace import Compute
 

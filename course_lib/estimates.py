@@ -11,16 +11,16 @@ The scenarios, by the kind of number they ask for:
 
 * ``nodes``: the nodes one expert-parallel group spans, DeepSeek-V3's EP 64 on 2,048 GPUs of 8 per node (DeepSeek-AI
   2024, §3.2: "64-way Expert Parallelism (EP) spanning 8 nodes"), each pipeline stage on whole nodes and an EP
-  group ``ep`` consecutive ranks of its stage (:func:`course_lib.plan.groups`). A count, right only if exact;
+  group ``ep`` consecutive ranks of its stage (:func:`course_lib.planner.layouts.groups`). A count, right only if exact;
   the usual slips (the group's GPUs, a stage's nodes) are named.
 * ``bytes``: what one rank sends in one dispatch all-to-all for a microbatch: tokens x top-k x hidden x 2 bytes
-  (bf16) x (ep-1)/ep, the copies that leave the rank under uniform routing (:func:`course_lib.plan.dispatch_bytes`,
+  (bf16) x (ep-1)/ep, the copies that leave the rank under uniform routing (:func:`course_lib.planner.cost.dispatch_bytes`,
   :func:`course_lib.comm.ring_factor`). Right within 1%, because leaving out the (ep-1)/ep moves it by 1.6%;
   close within 10% (MiB read as MB, 4,000 tokens for 4,096); factors of 2 or 8 (fp32, FP8, dispatch and combine,
   no top-k, bits) are named.
 * ``cp``: the smallest context-parallel degree that fits Llama 3 405B's 131,072-token sequences at TP 8 x PP 16 in
   a GPU's memory (Grattafiori et al. 2024, §3.3.2 and Table 4, where it is 16), among the degrees the planner
-  considers (:func:`course_lib.plan.cp_degrees`), by the memory model
+  considers (:func:`course_lib.planner.layouts.cp_degrees`), by the memory model
   (:func:`course_lib.model.formulas.memory_formula`). Right: that degree; close: the next one up, twice it, which
   fits but splits more than needed; wrong: a degree that does not fit, is not one (it must divide CP x DP), or is
   larger still.
@@ -49,7 +49,9 @@ from course_lib.comm import ring_factor
 from course_lib.goodput import LLAMA3, IntervalChoice, choose_interval, expected_goodput
 from course_lib.model.config import Layout
 from course_lib.model.formulas import memory_formula
-from course_lib.plan import MIN_CP_TOKENS, cp_degrees, dispatch_bytes, groups, make_model
+from course_lib.planner.layouts import MIN_CP_TOKENS, cp_degrees, groups
+from course_lib.planner.cost import dispatch_bytes
+from course_lib.planner.presets import make_model
 
 NAME = "estimates"
 VERDICTS = ("right", "close", "wrong", "unreadable")

@@ -37,23 +37,14 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
-from course_lib.hardware import get_profile
-from course_lib.memory import model_state_formula
-from course_lib.plan import (
-    CLOSE,
-    SHAPES,
-    Candidate,
-    Layout,
-    Plan,
-    describe,
-    evaluate,
-    layouts,
-    placement_sentences,
-    plan,
-    splits_layers,
-)
+from course_lib.cluster.profiles import get_profile
+from course_lib.model.formulas import model_state_formula
+from course_lib.planner.layouts import CLOSE, SHAPES, Candidate, Layout, Plan, describe, layouts, splits_layers
+from course_lib.planner.evaluate import evaluate
+from course_lib.planner.reasons import placement_sentences
+from course_lib.planner.search import plan
 from course_lib.practice.answers import EXAMPLES, Answer, UnreadableAnswer, describe_answer, parse
-from course_lib.recompute import RECOMPUTE  # tried in this order, as the planner does
+from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE  # tried in this order, as the planner does
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 TREE_FAMILY = {"dp": "dp", "tp": "tp", "fsdp": "sharded", "3d": "3d"}  # the decision tree's shape, as a family

@@ -11,7 +11,7 @@ the last step on a modeled cluster. Its settings travel grouped: :class:`LaunchS
 A scheme lives in its own module of :mod:`course_lib.parallel`, which implements
 :class:`course_lib.parallel.interface.Scheme`: a rank function ``fn(cfg, train, **settings) -> dict`` with
 ``losses`` (this rank's per-step losses over the rows it saw, or None when it saw no loss), ``params`` (the full
-parameters by name on ranks that hold them, else None), ``memory`` (a :class:`course_lib.memory.MemoryReport` dict
+parameters by name on ranks that hold them, else None), ``memory`` (a :class:`course_lib.ledgers.memory.MemoryReport` dict
 of the last step) and ``coords``; and its checks and predictions. Nothing here depends on which scheme runs.
 """
 
@@ -29,11 +29,11 @@ import torch.distributed as dist
 from course_lib import checkpoint, comm, launch, precision
 from course_lib import placement as placing
 from course_lib.faults import Fault, injected
-from course_lib.hardware import HardwareProfile, ModeledRun, get_profile, replay, resolve_topology
+from course_lib.cluster.profiles import HardwareProfile, get_profile
+from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import (
-    GPTConfig,
     ModelFactory,
-    TrainConfig,
     TrainResult,
     build_model,
     check_model,
@@ -195,7 +195,7 @@ def run_scheme(
     (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with ``topology``
     too (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod"`` or ``"tpu-v5p:4x4x4"``),
     time its collectives on that topology's links, with ``algorithm`` forced where it can run
-    (:func:`course_lib.hardware.replay`), the mesh's axes on the topology's levels as ``placement`` says (such as
+    (:func:`course_lib.cluster.clock.replay`), the mesh's axes on the topology's levels as ``placement`` says (such as
     ``"tp/pp,dp"``, :mod:`course_lib.placement`; default: rank r on GPU r). ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
     ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
@@ -447,7 +447,7 @@ def model_on_cluster(
     profile: HardwareProfile | None,
     topology: Topology | None,
 ) -> ModeledRun | None:
-    """Replay the run's last step on the modeled cluster (:func:`course_lib.hardware.replay`), the mesh's axes
+    """Replay the run's last step on the modeled cluster (:func:`course_lib.cluster.clock.replay`), the mesh's axes
     placed as ``cluster.placement`` says, and add its numbers to ``report`` (its bubble replaces the plan's); None
     without a hardware profile."""
     if profile is None:

@@ -16,12 +16,13 @@ import matplotlib.pyplot as plt
 
 from course_lib import checkpoint
 from course_lib.comm import CommRecord, summarize
-from course_lib.memory import CATEGORIES, model_state_formula
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.formulas import model_state_formula
 from course_lib.mesh import name_of
 from course_lib.trace import Event, to_chrome_trace, with_idle
 
 if TYPE_CHECKING:
-    from course_lib.schemes import SchemeRun
+    from course_lib.harness import SchemeRun
 
 KIND_COLORS = {
     "forward": "#4C72B0",
@@ -202,7 +203,7 @@ def plot_clocks(
     wall: Sequence[Sequence[Event]], modeled, title: str = "One step", metered_step: int | None = None
 ) -> plt.Figure:
     """The same events on the wall clock (this machine) above and on a modeled cluster below
-    (``modeled`` is a :class:`course_lib.hardware.ModeledRun`; both show its step). ``metered_step``: the step
+    (``modeled`` is a :class:`course_lib.cluster.clock.ModeledRun`; both show its step). ``metered_step``: the step
     that ran under the memory meter (see :func:`plot_timeline`)."""
     n = len(wall)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.5 * n + 3.8), layout="constrained")

@@ -141,7 +141,7 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
 def _plot_plan(result) -> plt.Figure:
     """The chosen layout and the next fitting ones: per GPU, params, grads, optimizer and activations stacked
     (:func:`course_lib.model.formulas.memory_formula`), the GPU's memory as a dotted line."""
-    from course_lib.plan import describe
+    from course_lib.planner.layouts import describe
 
     shown = [result] + [c for c in result.candidates if c.fits and describe(c) != describe(result)][:2]
     scale, unit = byte_unit(max(result.gpu_mem_bytes, *(c.memory_per_gpu_bytes for c in shown)))
@@ -167,10 +167,12 @@ def planner_form(
     preset: str = "gpt3-175b", gpus: int = 1536, gpus_per_node: int = 8, gpu_mem_gb: float = 80
 ) -> widgets.interactive:
     """Pick a model (a preset, or a parameter count alone), the GPUs, GPUs per node and memory per GPU: the
-    planner's choice (:func:`course_lib.plan.plan`) is printed with its reasons, beside memory bars of the chosen
+    planner's choice (:func:`course_lib.planner.search.plan`) is printed with its reasons, beside memory bars of the chosen
     layout and the next fitting ones. The parameter count is enabled when the model is "parameter count" only.
     ``result`` is the figure drawn, None if the planner refuses the inputs (if nothing fits, say; it prints why)."""
-    from course_lib.plan import PRESETS, describe, plan
+    from course_lib.planner.presets import PRESETS
+    from course_lib.planner.layouts import describe
+    from course_lib.planner.search import plan
 
     def draw(
         model: str, params_billions: float, gpus: int, gpus_per_node: int, gpu_mem_gb: float, no_tp_pp: bool

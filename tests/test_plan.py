@@ -12,19 +12,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from course_lib.cli import main  # noqa: E402
-from course_lib.plan import (  # noqa: E402
-    PRESETS,
-    describe,
-    evaluate_layout,
-    flops_per_token,
-    hardware_flops_per_token,
-    interleave_chunks,
-    layer_params,
-    make_model,
-    pipeline_schedules,
-    plan,
-    splits_layers,
-)
+from course_lib.plan import # noqa: E402 PRESETS
+from course_lib.planner.layouts import describe, interleave_chunks, pipeline_schedules, splits_layers
+from course_lib.planner.evaluate import evaluate_layout
+from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params
+from course_lib.planner.presets import make_model
+from course_lib.planner.search import plan
 
 
 def run_json(capsys, *argv):

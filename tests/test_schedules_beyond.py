@@ -28,7 +28,10 @@ from course_lib.parallel.schedules import (
     tables_from_orders,
     virtual_stage,
 )
-from course_lib.plan import PIPELINE_SCHEDULES, beyond_search, evaluate_layout, plan
+from course_lib.planner.layouts import PIPELINE_SCHEDULES
+from course_lib.planner.reasons import beyond_search
+from course_lib.planner.evaluate import evaluate_layout
+from course_lib.planner.search import plan
 
 BEYOND = ("zb-h2", "zb-v", "dualpipev")
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 7), (5, 10)]

@@ -14,7 +14,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from course_lib import calibrate
-    from course_lib.hardware import save_profile
+    from course_lib.cluster.profiles import save_profile
 
     try:
         device = calibrate.resolve_device(args.device)
@@ -81,7 +81,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``calibrate``'s flags: the device, the profile's name and file, whose links it takes, how much it measures."""
-    from course_lib.hardware import PROFILES
+    from course_lib.cluster.profiles import PROFILES
 
     cal = subparsers.add_parser(
         "calibrate", help="measure this GPU (or CPU) as a hardware profile and time a training step beside the model"

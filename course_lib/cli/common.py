@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from course_lib.schemes import SchemeRun
+    from course_lib.harness import SchemeRun
 
 
 def is_lead() -> bool:

@@ -8,12 +8,12 @@ import time
 
 from course_lib.cli.common import add_json_flag, positive_int, save_plots, say, write_json
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
-from course_lib.memory import CATEGORIES
+from course_lib.ledgers.memory import CATEGORIES
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib import launch
-    from course_lib.schemes import SCHEMES, run_scheme, validate
+    from course_lib.harness import SCHEMES, run_scheme, validate
 
     train = train_config(args)
     sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}

@@ -44,7 +44,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``goodput``'s flags: the model and cluster, how often a GPU fails, how fast a checkpoint is written."""
-    from course_lib.plan import PRESETS
+    from course_lib.planner.presets import PRESETS
 
     gp = subparsers.add_parser("goodput", help="checkpoint interval and goodput for a model on a cluster (Young, Daly)")
     gp.add_argument("--preset", choices=sorted(PRESETS), default="llama3-405b", help="a published model")

@@ -8,7 +8,7 @@ from course_lib.cli.common import add_json_flag, say, write_json
 
 
 def cmd_hardware(args: argparse.Namespace) -> int:
-    from course_lib.hardware import PROFILES, measured_dir, measured_profiles
+    from course_lib.cluster.profiles import PROFILES, measured_dir, measured_profiles
 
     measured = measured_profiles()
     shown = PROFILES | {name: p for name, p in measured.items() if name not in PROFILES}

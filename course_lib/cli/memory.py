@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from course_lib.cli.common import add_json_flag, natural, positive_float, positive_int, say, write_json
-from course_lib.memory import CATEGORIES, RECOMPUTE, memory_formula, transformer_params
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
+from course_lib.model.formulas import memory_formula, transformer_params
 
 EXPERT_FLAGS = ("top_k", "expert_ffn", "shared_experts", "dense_layers")
 
@@ -20,7 +22,7 @@ def _experts(args: argparse.Namespace) -> dict:
             flags = ", ".join(([f"--ep {args.ep}"] if args.ep > 1 else []) + given)
             raise SystemExit(f"memory: {flags} without --experts: give the number of routed experts (--experts E)")
         return {}
-    from course_lib.plan import Experts
+    from course_lib.planner.presets import Experts
 
     missing = [f for f, v in (("--top-k", args.top_k), ("--expert-ffn", args.expert_ffn)) if v is None]
     missing += [
@@ -44,9 +46,9 @@ ALWAYS_SHOWN_AXES = ("dp", "tp", "pp")  # in memory's summary line; cp and ep on
 
 
 def _memory_model(args) -> tuple[float, dict, str]:
-    """The parameter count, the memory shape (:meth:`course_lib.plan.Model.memory_shape` keys) and a name, from
+    """The parameter count, the memory shape (:meth:`course_lib.planner.presets.Model.memory_shape` keys) and a name, from
     ``--preset`` or from the flags."""
-    from course_lib.plan import make_model
+    from course_lib.planner.presets import make_model
 
     if args.preset is not None:
         given = [f"--{f.replace('_', '-')}" for f in (*SHAPE_FLAGS, "params", "experts") if getattr(args, f)]
@@ -88,7 +90,7 @@ def _memory_model(args) -> tuple[float, dict, str]:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from course_lib.memory import PRECISIONS
+    from course_lib.model.config import PRECISIONS
 
     params, shape, name = _memory_model(args)
     layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}

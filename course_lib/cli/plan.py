@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 
 from course_lib.cli.common import add_json_flag, positive_float, positive_int, say, write_json
-from course_lib.memory import RECOMPUTE
+from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
 
 LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from course_lib.plan import describe, make_model, plan
+    from course_lib.planner.layouts import describe
+    from course_lib.planner.presets import make_model
+    from course_lib.planner.search import plan
 
     given = [flag for flag in LAYOUT_FLAGS if getattr(args, flag) not in (None, False)]
     if given and not {"tp", "pp", "dp"} & set(given):
@@ -84,8 +86,10 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
     """``plan --tp T --pp P --dp D ...``: one given layout, evaluated as the planner evaluates its own."""
     from dataclasses import asdict
 
-    from course_lib.hardware import get_profile
-    from course_lib.plan import PEAK, describe, evaluate_layout
+    from course_lib.cluster.profiles import get_profile
+    from course_lib.planner.cost import PEAK
+    from course_lib.planner.layouts import describe
+    from course_lib.planner.evaluate import evaluate_layout
 
     profile = get_profile(args.hardware)
     c = evaluate_layout(
@@ -153,8 +157,9 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``plan``'s flags: the model, the cluster, the batch, and a given layout's degrees and settings."""
-    from course_lib.hardware import PROFILES
-    from course_lib.plan import PIPELINE_SCHEDULES, PRESETS
+    from course_lib.cluster.profiles import PROFILES
+    from course_lib.planner.layouts import PIPELINE_SCHEDULES
+    from course_lib.planner.presets import PRESETS
 
     pl = subparsers.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
     pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")

@@ -22,12 +22,13 @@ from course_lib.cli.common import (
 )
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
 from course_lib.faults import KINDS, PHASES, Fault
-from course_lib.memory import CATEGORIES
-from course_lib.models import GPTConfig, TrainConfig, within_capacity
-from course_lib.precision import CONVENTIONS, HALF
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import within_capacity
+from course_lib.model.config import MIXED_PRECISIONS as CONVENTIONS, HALF_TYPES as HALF
 
 if TYPE_CHECKING:
-    from course_lib.schemes import SchemeRun
+    from course_lib.harness import SchemeRun
 
 
 def _routing_lines(counts: list, cfg: GPTConfig) -> list[str]:
@@ -230,7 +231,7 @@ def _loss_scale(text: str) -> str | float | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from course_lib.schemes import ALIASES, SCHEMES
+    from course_lib.harness import ALIASES, SCHEMES
 
     spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
     fault, resume = _fault(args), _resume(args)
@@ -266,10 +267,10 @@ def _checked_world_size(args, spec, settings: dict, options: dict, axis_size: in
 def _train(
     args, spec, settings: dict, world_size: int, options: dict, fault: Fault | None, resume: str | None
 ) -> tuple[SchemeRun, GPTConfig, TrainConfig]:
-    """The model and training settings, and the scheme's run with them (:func:`course_lib.schemes.run_scheme`); a
+    """The model and training settings, and the scheme's run with them (:func:`course_lib.harness.run_scheme`); a
     setting the scheme refuses ends the command with its message."""
     from course_lib import launch
-    from course_lib.schemes import run_scheme
+    from course_lib.harness import run_scheme
 
     try:
         layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
@@ -385,7 +386,7 @@ def _say_modeled(args, m: dict) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``run SCHEME``'s flags: the registry's scheme flags, the modeled cluster's, the training flags, and the groups
     of mixed precision, mixture of experts, failure injection and checkpoints."""
-    from course_lib.schemes import ALIASES, SCHEMES
+    from course_lib.harness import ALIASES, SCHEMES
 
     run = subparsers.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
     run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))

@@ -9,15 +9,8 @@ from course_lib.parallel.schedules import SCHEDULES
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from course_lib.parallel.schedules import (
-        Costs,
-        bubble_formula,
-        check,
-        chunks_per_rank,
-        formula_text,
-        generate,
-        simulate,
-    )
+    from course_lib.parallel.schedules import Costs, bubble_formula, chunks_per_rank, formula_text, generate
+    from course_lib.parallel.schedule_sim import check, simulate
 
     costs = Costs(args.f, args.b, args.w)
     try:

@@ -1,13 +1,13 @@
 """The tiny GPT and its training as the command line gives them, shared by ``run`` and ``demo``: the flags, and the
-:class:`~course_lib.models.GPTConfig`, :class:`~course_lib.models.TrainConfig` and launcher limits they make."""
+:class:`~course_lib.model.config.GPTConfig`, :class:`~course_lib.model.config.TrainConfig` and launcher limits they make."""
 
 from __future__ import annotations
 
 import argparse
 
 from course_lib.cli.common import natural, positive_float, positive_int
-from course_lib.memory import RECOMPUTE
-from course_lib.models import GPTConfig, TrainConfig
+from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
+from course_lib.model.config import GPTConfig, TrainConfig
 
 MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
 

@@ -5,7 +5,7 @@ a node, and the two links of the modeled clock (:mod:`course_lib.cluster.clock`)
 inter-node network across nodes, each as bandwidth per GPU and direction and a latency. The published profiles
 (:data:`PROFILES`: DGX H100, the H800 of DeepSeek-V3's cluster, DGX A100, an L40S PCIe box) cite their datasheets.
 
-Each profile also states what the planner's step-time model (:func:`course_lib.plan.step_time`) assumes of the GPU
+Each profile also states what the planner's step-time model (:func:`course_lib.planner.cost.step_time`) assumes of the GPU
 beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
 and a fused attention kernel sustain in training (``MATMUL_EFFICIENCY``, ``ATTENTION_EFFICIENCY``) and its memory
 bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``.
@@ -42,7 +42,7 @@ class HardwareProfile:
     sources: tuple[str, ...] = field(default=())
 
 
-# What the planner's step-time model (course_lib.plan.step_time) assumes of a GPU beside its datasheet, one number per
+# What the planner's step-time model (course_lib.planner.cost.step_time) assumes of a GPU beside its datasheet, one number per
 # GPU generation for every layout and model, none fitted to a published row (course_lib.published holds the check).
 #
 # matmul_efficiency: the fraction of the dense peak a training step's matrix multiplies sustain. A100: 0.63, what the

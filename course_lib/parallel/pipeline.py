@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.checkpoint import Held
+from course_lib.runtime.checkpoint_state import Held
 from course_lib.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes

@@ -22,7 +22,7 @@ column-parallel linear becomes t-1 ring steps, the chunk in hand multiplied whil
 reduce-scatter after a row-parallel linear passes running sums around the ring, each rank computing its part of the
 next chunk while the sum of that chunk travels to it. Backward does the same with the mirrored collectives. Each
 step is an ``isend``/``irecv`` pair issued before the matmul and waited for after it, so the modeled clock
-(:func:`course_lib.hardware.replay`) overlaps them; a rank sends t-1 messages of S/t, the ring collective's (t-1)/t
+(:func:`course_lib.cluster.clock.replay`) overlaps them; a rank sends t-1 messages of S/t, the ring collective's (t-1)/t
 of S. The embedding's reduce-scatter (no matmul beside it) and its backward all-gather stay collectives.
 
 This module is the scheme: :class:`TensorParallelGPT`, its vocabulary-parallel embedding and cross-entropy, the rank
@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import launch, trace
-from course_lib.checkpoint import Block, Held, whole
+from course_lib.runtime.checkpoint_state import Box as Block, Held, whole
 from course_lib.comm import Group, ring_factor
-from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
-from course_lib.models import GPTConfig, TinyGPT, TrainConfig, count_params, make_optimizer
+from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.models import TinyGPT, count_params, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.tensor_layers import (
@@ -326,7 +327,7 @@ def shard_shape(name: str, param: torch.Tensor, t: int) -> tuple[int, ...]:
 
 def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[int, ...], tuple[Block, ...]]:
     """The one-device shape of parameter ``name`` and where rank ``r`` of ``t``'s shard of shape ``shard`` sits in
-    it, as :class:`course_lib.checkpoint.Block` boxes: one for ``rows`` (a block of rows) and ``columns`` (a block
+    it, as :class:`course_lib.runtime.checkpoint_state.Box` boxes: one for ``rows`` (a block of rows) and ``columns`` (a block
     of columns), three for ``heads`` (the fused qkv's [q_r; k_r; v_r]: rows r h/t .. (r+1) h/t of each of q, k
     and v), the whole tensor when it is not split."""
     shard = tuple(shard)
@@ -351,7 +352,7 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """A rank holds 1/t of every split matrix (and of the vocabulary), LayerNorms and row-parallel biases whole,
     with AdamW's states for them, and the activations of the whole batch as
-    :func:`course_lib.memory.tiny_gpt_activation_bytes` counts them for one rank of t (and under SP)."""
+    :func:`course_lib.model.formulas.tiny_gpt_activation_bytes` counts them for one rank of t (and under SP)."""
     model, e = TinyGPT(cfg), train.torch_dtype.itemsize
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     held = sum(math.prod(shard_shape(name, p, world_size)) for name, p in trainable)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.models import GPTConfig, expert_capacity, within_capacity
+from course_lib.model.config import GPTConfig
+from course_lib.models import expert_capacity, within_capacity
 from course_lib.parallel.expert import rows_between
 from course_lib.write_it_check import Feedback, call_student, hint_for_error, one_line, over_cases
 

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from course_lib.memory import model_state_formula, stage_shape
-from course_lib.plan import Layout, Model, describe, make_model, plan, published_candidate, published_gpus
+from course_lib.planner.layouts import Layout, describe
+from course_lib.planner.presets import Model, make_model
+from course_lib.planner.reasons import published_candidate, published_gpus
+from course_lib.planner.search import plan
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -315,13 +318,13 @@ LLAMA3 = FailureRecord(
 def checkpoint_bytes_per_rank(
     model: Model | str, layout, precision: str = "mixed", deduplicate: bool = False
 ) -> dict[str, float]:
-    """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.plan.Model` or preset name) laid out
-    as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a :class:`~course_lib.plan.Layout`,
-    a planner's candidate or plan), from :func:`course_lib.memory.model_state_formula`: the parameters and the
-    optimizer states (for mixed precision the fp32 master weights and both moments) that the busiest rank holds,
-    i.e. its stage's share of the layers (and, with a known vocabulary, one embedding matrix) over TP, the ZeRO
-    stage's shard over the data-parallel ranks, whole experts split by EP. Not gradients (recomputed by the next
-    step) nor activations.
+    """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.planner.presets.Model` or preset name)
+    laid out as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a
+    :class:`~course_lib.planner.layouts.Layout`, a planner's candidate or plan), from
+    :func:`course_lib.memory.model_state_formula`: the parameters and the optimizer states (for mixed precision the fp32
+    master weights and both moments) that the busiest rank holds, i.e. its stage's share of the layers (and, with a
+    known vocabulary, one embedding matrix) over TP, the ZeRO stage's shard over the data-parallel ranks, whole experts
+    split by EP. Not gradients (recomputed by the next step) nor activations.
 
     ``deduplicate``: what the rank writes when each replicated tensor is written by only one of its replicas and
     the writes are spread evenly (``torch.distributed.checkpoint`` deduplicates replicas; Megatron's fully

@@ -336,7 +336,8 @@ def _run_cell(page, call: str) -> None:
 
 
 def test_planner_form_changes_its_layout_with_the_gpus_and_enables_the_parameter_count_only_for_it(lab, page):
-    from course_lib.plan import describe, plan
+    from course_lib.planner.layouts import describe
+    from course_lib.planner.search import plan
 
     lab.open(page, "06_3d_parallelism.ipynb")
     _run_cell(page, "planner_form(")

@@ -24,7 +24,7 @@ from course_lib.memory import (
     model_state_formula,
     transformer_params,
 )
-from course_lib.plan import make_model
+from course_lib.planner.presets import make_model
 
 GPT_175B = {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "padded_vocab_size": 51200}
 GPT_1_7B = {"num_layers": 24, "hidden_size": 2304, "num_attention_heads": 24, "padded_vocab_size": 51200}

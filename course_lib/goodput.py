@@ -178,26 +178,14 @@ def simulate_goodput(
     step (vectorised over runs). The run ends with its last checkpoint written, so the asynchronous case carries
     one write, about delta, more than the closed form's steady state: give runs of many segments.
     """
-    tau = float(_check("interval_s", interval_s))
-    delta = float(_check("checkpoint_s", checkpoint_s, allow_zero=True))
-    r = float(_check("restart_s", restart_s, allow_zero=True))
-    m = float(_check("mtbf_s", mtbf_s))
-    work = float(_check("work_s", work_s))
-    sigma = float(_check("stall_s", stall_s, allow_zero=True))
+    tau, delta, r, m, work, sigma = _simulation_seconds(interval_s, checkpoint_s, restart_s, mtbf_s, work_s, stall_s)
     if not (isinstance(runs, int | np.integer) and runs >= 2):
         raise ValueError(f"runs must be a whole number of at least 2 (for a standard error), not {runs!r}")
     segments = math.ceil(work / tau - 1e-9)
     last = work - (segments - 1) * tau
-    g = expected_goodput(tau, delta, r, m, async_checkpoint, sigma)  # refuses a write longer than the interval
+    chunk = _failures_to_draw(work, tau, delta, r, m, async_checkpoint, sigma)
     blocking, background = (sigma, delta) if async_checkpoint else (delta, 0.0)
-    expected_failures = work / max(g, 1e-12) / m
-    if expected_failures > 1e5:
-        raise ValueError(
-            f"about {expected_failures:.3g} failures a run (expected goodput {g:.3g}): too many to simulate; "
-            "shorten the interval or the work"
-        )
     rng = np.random.default_rng(seed)
-    chunk = int(expected_failures * 1.5 + 10 * math.sqrt(expected_failures) + 20)
     fails = failure_times(m, runs, chunk, rng)
 
     period = tau + blocking  # from a snapshot's end to the next one's, without failures
@@ -242,6 +230,37 @@ def simulate_goodput(
     goodput = work / mean_t
     stderr = goodput * t.std(ddof=1) / mean_t / math.sqrt(runs)
     return SimulatedGoodput(float(goodput), float(stderr), runs, float(count.mean()), float(mean_t))
+
+
+def _simulation_seconds(
+    interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, work_s: float, stall_s: float
+) -> tuple[float, float, float, float, float, float]:
+    """:func:`simulate_goodput`'s seconds as floats, each refused unless finite and greater than 0 (the checkpoint,
+    the restart and the stall at least 0)."""
+    return (
+        float(_check("interval_s", interval_s)),
+        float(_check("checkpoint_s", checkpoint_s, allow_zero=True)),
+        float(_check("restart_s", restart_s, allow_zero=True)),
+        float(_check("mtbf_s", mtbf_s)),
+        float(_check("work_s", work_s)),
+        float(_check("stall_s", stall_s, allow_zero=True)),
+    )
+
+
+def _failures_to_draw(
+    work: float, tau: float, delta: float, r: float, m: float, async_checkpoint: bool, sigma: float
+) -> int:
+    """How many failure times to draw for each run at a time: the failures a run of ``work`` seconds expects at the
+    closed form's goodput (:func:`expected_goodput`, which refuses a write longer than the interval), with a
+    margin; refused above 1e5, too many to simulate."""
+    g = expected_goodput(tau, delta, r, m, async_checkpoint, sigma)
+    expected_failures = work / max(g, 1e-12) / m
+    if expected_failures > 1e5:
+        raise ValueError(
+            f"about {expected_failures:.3g} failures a run (expected goodput {g:.3g}): too many to simulate; "
+            "shorten the interval or the work"
+        )
+    return int(expected_failures * 1.5 + 10 * math.sqrt(expected_failures) + 20)
 
 
 # ------------------------------------------------------------------------------------------------ failures

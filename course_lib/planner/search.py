@@ -1,7 +1,20 @@
-"""The search: every layout of a model on a cluster (:func:`course_lib.planner.layouts.layouts`) evaluated and
-ranked by step time, without recompute, then selective, then with context parallelism, until one fits; the
-decision tree's shape kept unless another layout is more than ``CLOSE`` faster (:func:`plan`), with the reasons
-for the choice (:func:`course_lib.planner.reasons.explain`)."""
+"""The parallelism planner's search: which TP x CP x PP x DP x EP (and ZeRO stage, pipeline schedule) to train a
+model with on a cluster (:func:`plan`), and why.
+
+First the lesson's decision tree, on model states alone (16 bytes per parameter with mixed-precision Adam;
+:func:`course_lib.planner.layouts.tree_shape`):
+
+* they fit one GPU: data parallelism alone;
+* they fit one node: tensor parallelism inside the node, data parallelism across nodes (or FSDP/ZeRO-3 over all
+  GPUs for a team that wants no model parallelism);
+* bigger than a node: 3D, TP inside nodes (NVLink), PP across nodes, DP on top.
+
+Then every layout (:func:`course_lib.planner.layouts.layouts`) is evaluated
+(:func:`course_lib.planner.evaluate.evaluate`: memory per GPU, step time, MFU) and those that fit are ranked by
+step time, without recompute, then with selective recompute, then with context parallelism, until one fits: like
+selective recompute, CP is a last resort for memory, as Llama 3 brought it in only for its 128K-token stage. The
+decision tree's shape is kept unless another layout is more than ``CLOSE`` faster; the reasons for the choice come
+from :func:`course_lib.planner.reasons.explain`."""
 
 from __future__ import annotations
 

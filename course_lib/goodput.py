@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from course_lib.memory import model_state_formula, stage_shape
-from course_lib.plan import Layout, Model, describe, make_model, plan, published_candidate, published_gpus
+from course_lib.planner.layouts import Layout, describe
+from course_lib.planner.presets import Model, make_model
+from course_lib.planner.reasons import published_candidate, published_gpus
+from course_lib.planner.search import plan
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -175,26 +178,14 @@ def simulate_goodput(
     step (vectorised over runs). The run ends with its last checkpoint written, so the asynchronous case carries
     one write, about delta, more than the closed form's steady state: give runs of many segments.
     """
-    tau = float(_check("interval_s", interval_s))
-    delta = float(_check("checkpoint_s", checkpoint_s, allow_zero=True))
-    r = float(_check("restart_s", restart_s, allow_zero=True))
-    m = float(_check("mtbf_s", mtbf_s))
-    work = float(_check("work_s", work_s))
-    sigma = float(_check("stall_s", stall_s, allow_zero=True))
+    tau, delta, r, m, work, sigma = _simulation_seconds(interval_s, checkpoint_s, restart_s, mtbf_s, work_s, stall_s)
     if not (isinstance(runs, int | np.integer) and runs >= 2):
         raise ValueError(f"runs must be a whole number of at least 2 (for a standard error), not {runs!r}")
     segments = math.ceil(work / tau - 1e-9)
     last = work - (segments - 1) * tau
-    g = expected_goodput(tau, delta, r, m, async_checkpoint, sigma)  # refuses a write longer than the interval
+    chunk = _failures_to_draw(work, tau, delta, r, m, async_checkpoint, sigma)
     blocking, background = (sigma, delta) if async_checkpoint else (delta, 0.0)
-    expected_failures = work / max(g, 1e-12) / m
-    if expected_failures > 1e5:
-        raise ValueError(
-            f"about {expected_failures:.3g} failures a run (expected goodput {g:.3g}): too many to simulate; "
-            "shorten the interval or the work"
-        )
     rng = np.random.default_rng(seed)
-    chunk = int(expected_failures * 1.5 + 10 * math.sqrt(expected_failures) + 20)
     fails = failure_times(m, runs, chunk, rng)
 
     period = tau + blocking  # from a snapshot's end to the next one's, without failures
@@ -239,6 +230,37 @@ def simulate_goodput(
     goodput = work / mean_t
     stderr = goodput * t.std(ddof=1) / mean_t / math.sqrt(runs)
     return SimulatedGoodput(float(goodput), float(stderr), runs, float(count.mean()), float(mean_t))
+
+
+def _simulation_seconds(
+    interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, work_s: float, stall_s: float
+) -> tuple[float, float, float, float, float, float]:
+    """:func:`simulate_goodput`'s seconds as floats, each refused unless finite and greater than 0 (the checkpoint,
+    the restart and the stall at least 0)."""
+    return (
+        float(_check("interval_s", interval_s)),
+        float(_check("checkpoint_s", checkpoint_s, allow_zero=True)),
+        float(_check("restart_s", restart_s, allow_zero=True)),
+        float(_check("mtbf_s", mtbf_s)),
+        float(_check("work_s", work_s)),
+        float(_check("stall_s", stall_s, allow_zero=True)),
+    )
+
+
+def _failures_to_draw(
+    work: float, tau: float, delta: float, r: float, m: float, async_checkpoint: bool, sigma: float
+) -> int:
+    """How many failure times to draw for each run at a time: the failures a run of ``work`` seconds expects at the
+    closed form's goodput (:func:`expected_goodput`, which refuses a write longer than the interval), with a
+    margin; refused above 1e5, too many to simulate."""
+    g = expected_goodput(tau, delta, r, m, async_checkpoint, sigma)
+    expected_failures = work / max(g, 1e-12) / m
+    if expected_failures > 1e5:
+        raise ValueError(
+            f"about {expected_failures:.3g} failures a run (expected goodput {g:.3g}): too many to simulate; "
+            "shorten the interval or the work"
+        )
+    return int(expected_failures * 1.5 + 10 * math.sqrt(expected_failures) + 20)
 
 
 # ------------------------------------------------------------------------------------------------ failures
@@ -315,13 +337,13 @@ LLAMA3 = FailureRecord(
 def checkpoint_bytes_per_rank(
     model: Model | str, layout, precision: str = "mixed", deduplicate: bool = False
 ) -> dict[str, float]:
-    """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.plan.Model` or preset name) laid out
-    as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a :class:`~course_lib.plan.Layout`,
-    a planner's candidate or plan), from :func:`course_lib.memory.model_state_formula`: the parameters and the
-    optimizer states (for mixed precision the fp32 master weights and both moments) that the busiest rank holds,
-    i.e. its stage's share of the layers (and, with a known vocabulary, one embedding matrix) over TP, the ZeRO
-    stage's shard over the data-parallel ranks, whole experts split by EP. Not gradients (recomputed by the next
-    step) nor activations.
+    """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.planner.presets.Model` or preset name)
+    laid out as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a
+    :class:`~course_lib.planner.layouts.Layout`, a planner's candidate or plan), from
+    :func:`course_lib.memory.model_state_formula`: the parameters and the optimizer states (for mixed precision the fp32
+    master weights and both moments) that the busiest rank holds, i.e. its stage's share of the layers (and, with a
+    known vocabulary, one embedding matrix) over TP, the ZeRO stage's shard over the data-parallel ranks, whole experts
+    split by EP. Not gradients (recomputed by the next step) nor activations.
 
     ``deduplicate``: what the rank writes when each replicated tensor is written by only one of its replicas and
     the writes are spread evenly (``torch.distributed.checkpoint`` deduplicates replicas; Megatron's fully

@@ -1,6 +1,6 @@
 """Published training throughput, row by row, beside the planner's estimate of it.
 
-Thirteen runs whose layout, batch and recompute are all known, the check on :func:`course_lib.plan.step_time`:
+Thirteen runs whose layout, batch and recompute are all known, the check on :func:`course_lib.planner.cost.step_time`:
 
 * Narayanan et al. 2021 (SC21), "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   Table 1: ten GPT models from 1.7B to 1T parameters on 32 to 3072 A100s (80 GB, Selene). The micro-batch, the
@@ -11,7 +11,7 @@ Thirteen runs whose layout, batch and recompute are all known, the check on :fun
 * Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on 8,192 and 16,384 H100s at 8K
   tokens and on 16,384 at 128K, BF16, an interleaved schedule (§3.3.2), no activation recompute at 8K (§3.3.2; none
   stated at 128K either). Its TFLOP/s per GPU is "BF16 MFU" (Chowdhery et al. 2023) without a formula: compared
-  here as the planner's model FLOPs, 6N plus causal attention (:func:`course_lib.plan.flops_per_token`).
+  here as the planner's model FLOPs, 6N plus causal attention (:func:`course_lib.planner.cost.flops_per_token`).
 
 The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
 (:data:`course_lib.hardware.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about the
@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from course_lib.memory import params_from_dims
-from course_lib.plan import PRESETS, Candidate, Model, evaluate_layout
+from course_lib.planner.evaluate import evaluate_layout
+from course_lib.planner.layouts import Candidate, Layout
+from course_lib.planner.presets import PRESETS, Model
 
 _N21 = "Narayanan et al. 2021 (SC21), Table 1"
 _N21_RUN = (
@@ -244,25 +246,24 @@ class Estimate:
 
 
 def estimate(row: PublishedRow) -> Estimate:
-    """Evaluate the row's layout with :func:`course_lib.plan.evaluate_layout` on its hardware profile and count its
-    step's FLOPs as its source does: eq. (3) for Narayanan et al. 2021, the planner's model FLOPs for Llama 3."""
-    c = evaluate_layout(
-        row.model,
-        row.gpus,
+    """Evaluate the row's layout with :func:`course_lib.planner.evaluate.evaluate_layout` on its hardware profile
+    and count its step's FLOPs as its source does: eq. (3) for Narayanan et al. 2021, the planner's model FLOPs for
+    Llama 3."""
+    layout = Layout(
         tp=row.tp,
         pp=row.pp,
         dp=row.dp,
-        cp=row.cp,
         zero=row.zero,
+        cp=row.cp,
         schedule=row.schedule,
         chunks=row.chunks,
-        micro_batch=row.micro_batch,
-        global_batch=row.global_batch,
-        recompute=row.recompute,
-        hardware=row.hardware,
-        precision="mixed",
-        attention=row.attention,
         sp=row.sp,
+        recompute=row.recompute,
+        attention=row.attention,
+        micro_batch=row.micro_batch,
+    )
+    c = evaluate_layout(
+        row.model, row.gpus, layout, global_batch=row.global_batch, hardware=row.hardware, precision="mixed"
     )
     flops = narayanan_flops(row) if row.convention == "eq3" else c.model_flops
     return Estimate(row, c, flops / (c.step_time_s * row.gpus) / 1e12)

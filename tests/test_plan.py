@@ -18,6 +18,11 @@ from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params
 from course_lib.planner.presets import make_model
 from course_lib.planner.search import plan
+from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params  # noqa: E402
+from course_lib.planner.evaluate import evaluate_layout  # noqa: E402
+from course_lib.planner.layouts import Layout, describe, interleave_chunks, pipeline_schedules, splits_layers  # noqa: E402
+from course_lib.planner.presets import PRESETS, make_model  # noqa: E402
+from course_lib.planner.search import plan  # noqa: E402
 
 
 def run_json(capsys, *argv):
@@ -199,7 +204,7 @@ def test_planner_form_redraws(capsys):
 
 # ------------------------------------------------------------------------------------------------ a given layout
 def test_a_given_layout_reports_its_step_flops_and_mfu():
-    c = evaluate_layout("llama3-405b", 16384, tp=8, pp=16, dp=128, zero=1, schedule="interleaved", chunks=8)
+    c = evaluate_layout("llama3-405b", 16384, Layout(8, 16, 128, 1, schedule="interleaved", chunks=8, sp=True))
     assert describe(c) == "TP 8 x PP 16 x DP 128, ZeRO-1, interleaved v=8" and c.microbatches == 16
     assert c.bubble_fraction == pytest.approx(15 / (8 * 16 + 15))
     t = c.time
@@ -208,7 +213,7 @@ def test_a_given_layout_reports_its_step_flops_and_mfu():
     }
     # Bubble: (p-1)/(v m) of a stage's work; 8 x as many pipeline messages as 1F1B.
     assert t["bubble_s"] == pytest.approx((t["compute_s"] + t["tp_comm_s"]) * 15 / 128, rel=1e-12)
-    one_f_one_b = evaluate_layout("llama3-405b", 16384, tp=8, pp=16, dp=128, zero=1)
+    one_f_one_b = evaluate_layout("llama3-405b", 16384, Layout(tp=8, pp=16, dp=128, zero=1, sp=True))
     assert t["pp_comm_s"] == pytest.approx(8 * one_f_one_b.time["pp_comm_s"], rel=1e-12)
     assert c.step_time_s == pytest.approx(sum(t.values()), rel=1e-12)
     # Model FLOPs: 6N + causal attention per token, 16M tokens; no recompute, so hardware FLOPs are the same.
@@ -226,9 +231,12 @@ def test_full_recompute_counts_one_more_forward():
     extra = hardware_flops_per_token(m, "full") - hardware_flops_per_token(m, "none")
     assert extra == pytest.approx(2 * layer_params(m) * 96 + 2 * 96 * 2048 * 12288, rel=1e-12)  # 8 per param-token
     assert hardware_flops_per_token(m, "none") == flops_per_token(m)  # FlashAttention: causal, as model FLOPs
-    c = evaluate_layout(m, 1536, tp=8, pp=8, dp=24, recompute="full", hardware="a100")
+    full = Layout(tp=8, pp=8, dp=24, sp=True, recompute="full")
+    c = evaluate_layout(m, 1536, full, lowest_fitting_zero=True, hardware="a100")
     assert c.hardware_flops / c.model_flops == pytest.approx(hardware_flops_per_token(m, "full") / flops_per_token(m))
-    assert c.hfu > c.mfu and c.time["compute_s"] > evaluate_layout(m, 1536, tp=8, pp=8, dp=24).time["compute_s"]
+    assert c.hfu > c.mfu and c.time["compute_s"] > evaluate_layout(
+        m, 1536, full._replace(recompute="none"), lowest_fitting_zero=True
+    ).time["compute_s"]
 
 
 @pytest.mark.parametrize(
@@ -256,8 +264,9 @@ def test_full_recompute_counts_one_more_forward():
 )
 def test_a_layout_that_cannot_run_is_refused_saying_how_to_fix_it(kwargs, message):
     model = kwargs.pop("model", "llama3-405b")
+    batch = kwargs.pop("global_batch", None)
     with pytest.raises(ValueError, match=re.escape(message)):
-        evaluate_layout(model, 16384, **kwargs)
+        evaluate_layout(model, 16384, Layout(**kwargs, sp=True), lowest_fitting_zero=True, global_batch=batch)
 
 
 def test_plan_command_evaluates_a_given_layout(capsys):

@@ -12,7 +12,7 @@ from course_lib.network import Network
 from course_lib.planner.presets import PRESETS
 from course_lib.planner.layouts import Candidate, describe, splits_layers
 from course_lib.planner.cost import cp_comm_exposed, ep_comm
-from course_lib.hardware import get_profile
+from course_lib.cluster.profiles import get_profile
 from course_lib.planner.search import plan
 from course_lib.planner.reasons import published_candidate
 

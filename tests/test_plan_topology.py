@@ -12,6 +12,7 @@ from course_lib.mesh import axis_groups
 from course_lib.network import Network
 from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.layouts import groups
+from course_lib.planner.layouts import Layout, groups
 from course_lib.planner.search import plan
 from course_lib.topology import for_gpus, gb200_nvl72
 
@@ -20,6 +21,11 @@ WIRINGS = ("h100-superpod", "gb200-nvl72", "tpu-v5p")
 
 def sizes(c):
     return {axis: getattr(c, axis) for axis in ("tp", "pp", "dp", "cp", "ep", "zero")}
+
+
+def layout_of(c):
+    """The degrees, ZeRO stage and schedule of a plan, as a layout to evaluate elsewhere."""
+    return Layout(**sizes(c), schedule=c.schedule, sp=True)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,7 @@ def test_an_nvl72_rack_holds_a_whole_replica_on_nvlink_where_a_superpod_node_can
     assert f"On one NVLink domain: TP {rack.tp}, PP {rack.pp}; across domains: DP {rack.dp}." in " ".join(rack.reasons)
     # Each choice is the better one on its own wiring, the other's layout slower there.
     for mine, other, wiring in ((pod, rack, "h100-superpod"), (rack, pod, "gb200-nvl72")):
-        theirs = evaluate_layout("llama3-70b", 2304, **sizes(other), schedule=other.schedule, topology=wiring)
+        theirs = evaluate_layout("llama3-70b", 2304, layout_of(other), topology=wiring)
         assert theirs.step_time_s > mine.step_time_s
 
 
@@ -58,7 +64,7 @@ def test_moe_expert_parallelism_stays_on_nvlink_with_less_tp_in_a_rack():
     rack = plan("deepseek-v3", 1152, topology="gb200-nvl72")
     assert pod.ep == rack.ep == 8 and pod.tp == 8 > rack.tp
     assert not pod.placement["ep"]["spans_nodes"] and not rack.placement["ep"]["spans_nodes"]
-    spread = evaluate_layout("deepseek-v3", 1152, **sizes(rack), schedule=rack.schedule, topology="h100-superpod")
+    spread = evaluate_layout("deepseek-v3", 1152, layout_of(rack), topology="h100-superpod")
     assert spread.placement["ep"]["where"].startswith("across 4 NVLink domains")
     assert spread.time["ep_comm_s"] > 10 * rack.time["ep_comm_s"]
     assert rack.step_time_s < pod.step_time_s < spread.step_time_s

@@ -32,6 +32,8 @@ from course_lib.planner.layouts import PIPELINE_SCHEDULES
 from course_lib.planner.reasons import beyond_search
 from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.search import plan
+from course_lib.planner.layouts import PIPELINE_SCHEDULES, Layout
+from course_lib.harness import run_scheme
 
 BEYOND = ("zb-h2", "zb-v", "dualpipev")
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 7), (5, 10)]
@@ -280,7 +282,8 @@ def test_the_planner_offers_them_beside_its_choice_with_bubble_and_activations()
     others = {c.schedule: c for c in beyond_search(chosen)}
     assert set(others) == set(BEYOND) and "Past ZB-H1, not ranked by the search: ZB-H2" in " ".join(chosen.reasons)
     p, m = chosen.pp, chosen.microbatches
-    base = evaluate_layout("gpt3-175b", 1536, tp=chosen.tp, pp=p, dp=chosen.dp, zero=chosen.zero).memory["activations"]
+    layout = Layout(tp=chosen.tp, pp=p, dp=chosen.dp, zero=chosen.zero, sp=True)
+    base = evaluate_layout("gpt3-175b", 1536, layout).memory["activations"]
     for schedule, c in others.items():
         assert c.bubble_fraction == pytest.approx(bubble_formula(schedule, p, m, costs=Costs(1, 1, 1)))
         assert c.memory["activations"] == pytest.approx(base * peak_activations(schedule, p, m) / p)

@@ -49,8 +49,8 @@ from course_lib.comm import ring_factor
 from course_lib.goodput import LLAMA3, IntervalChoice, choose_interval, expected_goodput
 from course_lib.model.config import Layout
 from course_lib.model.formulas import memory_formula
-from course_lib.planner.layouts import MIN_CP_TOKENS, cp_degrees, groups
 from course_lib.planner.cost import dispatch_bytes
+from course_lib.planner.layouts import MIN_CP_TOKENS, cp_degrees, groups
 from course_lib.planner.presets import make_model
 
 NAME = "estimates"

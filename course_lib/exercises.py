@@ -38,13 +38,14 @@ from functools import cache
 from pathlib import Path
 
 from course_lib.cluster.profiles import get_profile
+from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE  # tried in this order, as the planner does
+from course_lib.model.config import Layout
 from course_lib.model.formulas import model_state_formula
-from course_lib.planner.layouts import CLOSE, SHAPES, Candidate, Layout, Plan, describe, layouts, splits_layers
 from course_lib.planner.evaluate import evaluate
+from course_lib.planner.layouts import CLOSE, SHAPES, Candidate, Plan, describe, layouts, splits_layers
 from course_lib.planner.reasons import placement_sentences
 from course_lib.planner.search import plan
 from course_lib.practice.answers import EXAMPLES, Answer, UnreadableAnswer, describe_answer, parse
-from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE  # tried in this order, as the planner does
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 TREE_FAMILY = {"dp": "dp", "tp": "tp", "fsdp": "sharded", "3d": "3d"}  # the decision tree's shape, as a family
@@ -132,8 +133,8 @@ def _pool(exercise: str, scenario_id: str, recompute: str) -> tuple[Candidate, .
     """Every layout the planner enumerates for the scenario (TP and PP allowed), costed with ``recompute``."""
     p = _scenario(exercise, scenario_id).choice
     shapes = layouts(p.model, p.gpus, p.gpus_per_node, p.global_batch, p.micro_batch, False)
-    args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.micro_batch, p.precision, recompute)
-    return tuple(evaluate(p.model, shape, *args) for shape in shapes)
+    args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
+    return tuple(evaluate(p.model, shape._replace(recompute=recompute), *args) for shape in shapes)
 
 
 @cache
@@ -142,8 +143,8 @@ def _hsdp(exercise: str, scenario_id: str, recompute: str) -> Candidate:
     timed: the planner has no cost for the replicas' all-reduce)."""
     p = _scenario(exercise, scenario_id).choice
     m, node = p.global_batch // (p.gpus * p.micro_batch), p.gpus_per_node
-    args = (node, p.network, p.gpu_mem_bytes, node * m * p.micro_batch, p.micro_batch, p.precision, recompute)
-    return evaluate(p.model, Layout(1, 1, node, 3, m), *args)
+    layout = Layout(1, 1, node, 3, m, recompute=recompute, micro_batch=p.micro_batch)
+    return evaluate(p.model, layout, node, p.network, p.gpu_mem_bytes, node * m * p.micro_batch, p.precision)
 
 
 # ------------------------------------------------------------------------------------------------ grading

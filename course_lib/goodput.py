@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from course_lib.memory import model_state_formula, stage_shape
-from course_lib.planner.layouts import Layout, describe
+from course_lib.model.config import Layout
+from course_lib.model.formulas import model_state_formula, stage_shape
+from course_lib.planner.layouts import describe
 from course_lib.planner.presets import Model, make_model
 from course_lib.planner.reasons import published_candidate, published_gpus
 from course_lib.planner.search import plan
@@ -340,7 +341,7 @@ def checkpoint_bytes_per_rank(
     """Bytes a checkpoint holds per rank for ``model`` (a :class:`~course_lib.planner.presets.Model` or preset name)
     laid out as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a
     :class:`~course_lib.planner.layouts.Layout`, a planner's candidate or plan), from
-    :func:`course_lib.memory.model_state_formula`: the parameters and the optimizer states (for mixed precision the fp32
+    :func:`course_lib.model.formulas.model_state_formula`: the parameters and the optimizer states (for mixed precision the fp32
     master weights and both moments) that the busiest rank holds, i.e. its stage's share of the layers (and, with a
     known vocabulary, one embedding matrix) over TP, the ZeRO stage's shard over the data-parallel ranks, whole experts
     split by EP. Not gradients (recomputed by the next step) nor activations.

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from course_lib import checkpoint, comm, launch, precision
 from course_lib import placement as placing
-from course_lib.faults import Fault, injected
-from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
+from course_lib.cluster.profiles import HardwareProfile, get_profile
+from course_lib.faults import Fault, injected
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import (
     ModelFactory,

@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 from course_lib import checkpoint
 from course_lib.comm import CommRecord, summarize
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.model.formulas import model_state_formula
 from course_lib.mesh import name_of
+from course_lib.model.formulas import model_state_formula
 from course_lib.trace import Event, to_chrome_trace, with_idle
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ Thirteen runs whose layout, batch and recompute are all known, the check on :fun
   here as the planner's model FLOPs, 6N plus causal attention (:func:`course_lib.planner.cost.flops_per_token`).
 
 The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
-(:data:`course_lib.hardware.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about the
+(:data:`course_lib.cluster.profiles.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about the
 run, and where a source is silent (Llama 3's chunks per rank and micro-batch) the assumption is written in ``run``.
 """
 
@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib.memory import params_from_dims
+from course_lib.model.config import Layout
+from course_lib.model.formulas import params_from_dims
 from course_lib.planner.evaluate import evaluate_layout
-from course_lib.planner.layouts import Candidate, Layout
+from course_lib.planner.layouts import Candidate
 from course_lib.planner.presets import PRESETS, Model
 
 _N21 = "Narayanan et al. 2021 (SC21), Table 1"

@@ -170,8 +170,8 @@ def planner_form(
     planner's choice (:func:`course_lib.planner.search.plan`) is printed with its reasons, beside memory bars of the chosen
     layout and the next fitting ones. The parameter count is enabled when the model is "parameter count" only.
     ``result`` is the figure drawn, None if the planner refuses the inputs (if nothing fits, say; it prints why)."""
-    from course_lib.planner.presets import PRESETS
     from course_lib.planner.layouts import describe
+    from course_lib.planner.presets import PRESETS
     from course_lib.planner.search import plan
 
     def draw(

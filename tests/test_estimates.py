@@ -13,7 +13,6 @@ from course_lib.estimates import VERDICTS, grade, load, model_answers, read
 from course_lib.goodput import LLAMA3, checkpoint_bytes_per_rank, expected_goodput
 from course_lib.model.config import Layout
 from course_lib.model.formulas import memory_formula
-from course_lib.planner.layouts import Layout
 from course_lib.planner.presets import make_model
 
 RIGHT, CLOSE, WRONG = "right", "close", "wrong"

@@ -21,9 +21,9 @@ from course_lib.goodput import (
     simulate_goodput,
     young_interval,
 )
-from course_lib.planner.layouts import Layout
-from course_lib.planner.search import plan
+from course_lib.model.config import Layout
 from course_lib.planner.reasons import published_candidate
+from course_lib.planner.search import plan
 
 MINUTE, HOUR = 60.0, 3600.0
 LLAMA3_405B = 405_853_388_800  # parameters of the released checkpoint

@@ -8,8 +8,6 @@ from course_lib.cluster.profiles import PROFILES
 from course_lib.comm import CommRecord
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import TinyGPT, synthetic_tokens
-from course_lib.cluster.profiles import PROFILES
-from course_lib.cluster.clock import collective_time, replay
 from course_lib.parallel.data import train_data_parallel
 from course_lib.trace import Compute, Issue, Wait
 

@@ -10,11 +10,9 @@ import torch
 from course_lib import comm, launch, precision
 from course_lib.harness import SCHEMES, run_scheme
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.model.config import PRECISIONS
-from course_lib.model.formulas import model_state_formula
-from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, build_model, count_params, synthetic_tokens, train_reference
 from course_lib.model.config import PRECISIONS, GPTConfig, TrainConfig
+from course_lib.model.formulas import model_state_formula
+from course_lib.models import TinyGPT, build_model, count_params, synthetic_tokens, train_reference
 from course_lib.precision import DP_TOLERANCE, LOSS_TOLERANCE, LossScaler, MixedPrecisionOptimizer
 
 # Every parameter trains (no frozen position table), so bytes per parameter need no correction for frozen ones.

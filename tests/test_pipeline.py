@@ -9,9 +9,8 @@ from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers
-from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, generate
 from course_lib.parallel.schedule_sim import check, simulate
-from course_lib.harness import run_scheme
+from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, generate
 
 CFG = GPTConfig(layers=4)
 

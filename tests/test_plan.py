@@ -12,15 +12,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from course_lib.cli import main  # noqa: E402
-from course_lib.plan import # noqa: E402 PRESETS
-from course_lib.planner.layouts import describe, interleave_chunks, pipeline_schedules, splits_layers
-from course_lib.planner.evaluate import evaluate_layout
-from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params
-from course_lib.planner.presets import make_model
-from course_lib.planner.search import plan
+from course_lib.model.config import Layout  # noqa: E402
 from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params  # noqa: E402
 from course_lib.planner.evaluate import evaluate_layout  # noqa: E402
-from course_lib.planner.layouts import Layout, describe, interleave_chunks, pipeline_schedules, splits_layers  # noqa: E402
+from course_lib.planner.layouts import describe, interleave_chunks, pipeline_schedules, splits_layers  # noqa: E402
 from course_lib.planner.presets import PRESETS, make_model  # noqa: E402
 from course_lib.planner.search import plan  # noqa: E402
 

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from course_lib.cli import main
+from course_lib.cluster.profiles import get_profile
 from course_lib.model.formulas import activation_bytes_per_layer, model_state_formula
 from course_lib.network import Network
-from course_lib.planner.presets import PRESETS
-from course_lib.planner.layouts import Candidate, describe, splits_layers
 from course_lib.planner.cost import cp_comm_exposed, ep_comm
-from course_lib.cluster.profiles import get_profile
-from course_lib.planner.search import plan
+from course_lib.planner.layouts import Candidate, describe, splits_layers
+from course_lib.planner.presets import PRESETS
 from course_lib.planner.reasons import published_candidate
+from course_lib.planner.search import plan
 
 H800, H100 = get_profile("h800"), get_profile("h100")
 ATTENTION_RATE = 989e12 * 0.35  # bf16 peak (H100 = H800) at FlashAttention-2's 35% (hardware.ATTENTION_EFFICIENCY)

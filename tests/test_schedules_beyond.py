@@ -11,7 +11,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from course_lib.cli import main
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, Layout, TrainConfig
 from course_lib.parallel.schedule_sim import check, simulate
 from course_lib.parallel.schedules import (
     COMPUTE,
@@ -28,12 +28,10 @@ from course_lib.parallel.schedules import (
     tables_from_orders,
     virtual_stage,
 )
+from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.layouts import PIPELINE_SCHEDULES
 from course_lib.planner.reasons import beyond_search
-from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.search import plan
-from course_lib.planner.layouts import PIPELINE_SCHEDULES, Layout
-from course_lib.harness import run_scheme
 
 BEYOND = ("zb-h2", "zb-v", "dualpipev")
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 7), (5, 10)]

@@ -14,7 +14,6 @@ from course_lib import cli, harness
 from course_lib.harness import SCHEMES, run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib import cli, harness as schemes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,6 @@ from course_lib import collectives, placement, topology
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import PROFILES
 from course_lib.comm import CommRecord
-from course_lib.cluster.profiles import PROFILES
-from course_lib.cluster.clock import replay
 from course_lib.harness import run_scheme
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.trace import Issue, Wait

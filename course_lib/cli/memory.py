@@ -90,23 +90,25 @@ def _memory_model(args) -> tuple[float, dict, str]:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from course_lib.model.config import PRECISIONS
+    from course_lib.model.config import PRECISIONS, Layout
 
     params, shape, name = _memory_model(args)
-    layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
+    layout = Layout(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        zero=args.zero,
+        cp=args.cp,
+        ep=args.ep,
+        chunks=args.chunks,
+        sp=args.sp,
+        recompute=args.recompute,
+        attention=args.attention,
+        micro_batch=args.micro_batch,
+    )
+    axes = {axis: getattr(layout, axis) for axis in ("dp", "tp", "pp", "cp", "ep")}
     try:
-        result = memory_formula(
-            params,
-            args.precision,
-            args.zero,
-            micro_batch=args.micro_batch,
-            sp=args.sp,
-            recompute=args.recompute,
-            attention=args.attention,
-            chunks=args.chunks,
-            **layout,
-            **shape,
-        )
+        result = memory_formula(params, args.precision, layout, **shape)
     except ValueError as err:
         raise SystemExit(f"memory: {err}") from None
     data = {
@@ -114,13 +116,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         "params": params,
         "precision": args.precision,
         "zero": args.zero,
-        **layout,
+        **axes,
         "expert_params": shape.get("expert_params", 0),
         "attention": args.attention,
         "bytes_per_device": result,
     }
     write_json(data, args.json)
-    shown = {k: v for k, v in layout.items() if k in ALWAYS_SHOWN_AXES or v > 1}  # cp and ep where they split
+    shown = {k: v for k, v in axes.items() if k in ALWAYS_SHOWN_AXES or v > 1}  # cp and ep where they split
     experts = f" ({shape['expert_params']:,.0f} in routed experts)" if shape.get("expert_params") else ""
     say(
         args,

@@ -87,30 +87,36 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
     from dataclasses import asdict
 
     from course_lib.cluster.profiles import get_profile
+    from course_lib.model.config import Layout
     from course_lib.planner.cost import PEAK
-    from course_lib.planner.layouts import describe
     from course_lib.planner.evaluate import evaluate_layout
+    from course_lib.planner.layouts import describe
 
     profile = get_profile(args.hardware)
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=args.dp if args.dp is not None else max(1, args.gpus // (tp * cp * pp)),
+        zero=args.zero or 0,
+        cp=cp,
+        ep=args.ep or 1,
+        schedule=args.schedule or "1f1b",
+        chunks=args.chunks or 1,
+        sp=not args.no_sp,
+        recompute=args.recompute or "none",
+        attention=args.attention or "flash",
+        micro_batch=args.micro_batch,
+    )
     c = evaluate_layout(
         model,
         args.gpus,
-        tp=args.tp or 1,
-        pp=args.pp or 1,
-        dp=args.dp,
-        cp=args.cp or 1,
-        ep=args.ep or 1,
-        zero=args.zero,
-        schedule=args.schedule or "1f1b",
-        chunks=args.chunks or 1,
-        micro_batch=args.micro_batch,
+        layout,
+        lowest_fitting_zero=args.zero is None,
         global_batch=args.global_batch,
-        recompute=args.recompute or "none",
         hardware=args.hardware,
         gpus_per_node=args.gpus_per_node,
         gpu_mem_bytes=args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else None,
-        attention=args.attention or "flash",
-        sp=False if args.no_sp else None,
         topology=args.topology,
     )
     gpu_mem = args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else profile.memory_bytes

@@ -23,9 +23,10 @@ from course_lib.cli.common import (
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
 from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import HALF_TYPES as HALF
+from course_lib.model.config import MIXED_PRECISIONS as CONVENTIONS
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import within_capacity
-from course_lib.model.config import MIXED_PRECISIONS as CONVENTIONS, HALF_TYPES as HALF
 
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun

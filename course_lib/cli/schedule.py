@@ -9,8 +9,8 @@ from course_lib.parallel.schedules import SCHEDULES
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from course_lib.parallel.schedules import Costs, bubble_formula, chunks_per_rank, formula_text, generate
     from course_lib.parallel.schedule_sim import check, simulate
+    from course_lib.parallel.schedules import Costs, bubble_formula, chunks_per_rank, formula_text, generate
 
     costs = Costs(args.f, args.b, args.w)
     try:

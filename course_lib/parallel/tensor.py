@@ -42,10 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import launch, trace
-from course_lib.runtime.checkpoint_state import Box as Block, Held, whole
 from course_lib.comm import Group, ring_factor
-from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import TinyGPT, count_params, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 from course_lib.parallel.interface import Option, Scheme
@@ -64,6 +63,8 @@ from course_lib.parallel.tensor_mappings import (
     gather_param,
     shard_of,
 )
+from course_lib.runtime.checkpoint_state import Box as Block
+from course_lib.runtime.checkpoint_state import Held, whole
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

@@ -2,17 +2,17 @@
 :func:`hardware_flops_per_token`), one stage's compute at the profile's matmul rate and memory bandwidth
 (:func:`stage_seconds`), the exposed TP, PP, CP, EP and DP traffic timed on a :class:`~course_lib.network.Network`,
 and the step time by part with the schedule's bubble (:func:`step_time`; Narayanan et al. 2021, §2.2, §3.3, §5.1;
-Korthikanti et al. 2022, §4-5; the assumptions: ``course_lib.hardware.TIME_MODEL_ASSUMPTIONS``)."""
+Korthikanti et al. 2022, §4-5; the assumptions: ``course_lib.cluster.profiles.TIME_MODEL_ASSUMPTIONS``)."""
 
 from __future__ import annotations
 
 import math
 
-from course_lib.hardware import HardwareProfile
-from course_lib.memory import BYTES_PER_PARAM
+from course_lib.cluster.profiles import HardwareProfile
+from course_lib.model.config import BYTES_PER_PARAM, Layout
 from course_lib.network import Network
 from course_lib.parallel.schedules import Costs, bubble_ratio, chunks_per_rank
-from course_lib.planner.layouts import Candidate, Layout, groups
+from course_lib.planner.layouts import Candidate, groups
 from course_lib.planner.presets import Model
 
 PEAK = {"mixed": "bf16", "fp32": "fp32"}  # which peak of the hardware profile a precision computes at
@@ -208,7 +208,7 @@ def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float
     microbatch's compute, §3.2.1). Per MoE layer and microbatch four: dispatch and combine, forward and
     backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2), each of
     :func:`dispatch_bytes`, timed as an all-to-all on the EP group's slowest link
-    (:func:`course_lib.hardware.collective_time`)."""
+    (:func:`course_lib.cluster.clock.collective_time`)."""
     if c.ep == 1:
         return 0.0
     ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"]
@@ -252,7 +252,7 @@ def dp_comm_exposed(model: Model, c: Candidate, compute_s: float, net: Network, 
 
 
 def step_time(model: Model, c: Candidate, micro_batch: int, net: Network, precision: str) -> dict[str, float]:
-    """Time per step, in seconds, by part (the assumptions: ``course_lib.hardware.TIME_MODEL_ASSUMPTIONS``):
+    """Time per step, in seconds, by part (the assumptions: ``course_lib.cluster.profiles.TIME_MODEL_ASSUMPTIONS``):
 
     * compute: the microbatches through the slowest stage (:func:`stage_seconds`);
     * TP: :func:`tp_comm`; CP: what :func:`cp_comm_exposed` leaves exposed; EP: :func:`ep_comm`;

@@ -1,4 +1,4 @@
-"""Evaluating a layout: its memory per GPU (:func:`course_lib.memory.memory_formula`, scaled for the pipeline
+"""Evaluating a layout: its memory per GPU (:func:`course_lib.model.formulas.memory_formula`, scaled for the pipeline
 schedule's activations in flight), its step time by part (:func:`course_lib.planner.cost.step_time`), the FLOPs
 rate and MFU it makes and where its groups sit (:func:`evaluate`); one given layout checked and evaluated
 (:func:`evaluate_layout`, :func:`check_layout`); the network a plan is timed on (:func:`network`)."""
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 
-from course_lib.hardware import HardwareProfile, get_profile
-from course_lib.memory import RECOMPUTE, memory_formula
+from course_lib.cluster.profiles import HardwareProfile, get_profile
+from course_lib.model.config import Layout, check_attention, check_recompute
+from course_lib.model.formulas import memory_formula
 from course_lib.network import Network
 from course_lib.parallel.schedules import bubble_formula, bubble_ratio, peak_activations
 from course_lib.planner.cost import (
@@ -19,12 +20,10 @@ from course_lib.planner.cost import (
     step_time,
 )
 from course_lib.planner.layouts import (
-    ATTENTION,
     LAYOUT_AXES,
     PIPELINE_SCHEDULES,
     SHORT_STAGES,
     Candidate,
-    Layout,
     divisors,
     groups,
     schedule_name,
@@ -52,22 +51,7 @@ def evaluate(
     placement of one layout."""
     tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp, recompute, attention, micro_batch = layout
     sp = sp and tp > 1
-    memory = memory_formula(
-        model.params,
-        precision,
-        zero,
-        dp,
-        tp,
-        pp,
-        micro_batch=micro_batch,
-        sp=sp,
-        recompute=recompute,
-        ep=ep,
-        cp=cp,
-        attention=attention,
-        chunks=chunks,
-        **model.memory_shape(),
-    )
+    memory = memory_formula(model.params, precision, layout._replace(sp=sp), **model.memory_shape())
     _schedule_activations(memory, schedule, pp, m)
     c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
     c.cp, c.ep, c.schedule, c.chunks, c.attention, c.sp = cp, ep, schedule, chunks, attention, sp
@@ -181,10 +165,8 @@ def check_layout(model: Model, gpus: int, layout: Layout, global_batch: int) -> 
     _check_degrees(model, gpus, layout)
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {layout.zero}")
-    if layout.recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {layout.recompute!r}")
-    if layout.attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {layout.attention!r}")
+    check_recompute(layout.recompute)
+    check_attention(layout.attention)
     dp, micro_batch, recompute = layout.dp, layout.micro_batch, layout.recompute
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
-from typing import NamedTuple
 
 import numpy as np
 
-from course_lib.memory import model_state_formula
+from course_lib.model.config import Layout
+from course_lib.model.formulas import model_state_formula
 from course_lib.network import Network
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model
 
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
-ATTENTION = ("flash", "materialized")  # FlashAttention (Dao et al. 2022) or scores written to memory (Megatron 2021)
 
 SHAPES = {
     "dp": "data parallelism alone",
@@ -54,7 +53,7 @@ class Candidate:
     ep: int = 1
     schedule: str = "1f1b"  # the pipeline schedule (:data:`PIPELINE_SCHEDULES`)
     chunks: int = 1  # model chunks per pipeline rank (v), more than 1 only interleaved (zb-v, dualpipev fix 2)
-    attention: str = "flash"  # the attention kernel (:data:`ATTENTION`)
+    attention: str = "flash"  # the attention kernel (:data:`course_lib.model.config.ATTENTION_KERNELS`)
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022, §4.2.2)
     model_flops: float = 0.0  # per step, :func:`~course_lib.planner.cost.flops_per_token` x tokens
     hardware_flops: float = 0.0  # per step, :func:`~course_lib.planner.cost.hardware_flops_per_token` x tokens
@@ -63,25 +62,6 @@ class Candidate:
     mfu: float = 0.0  # model FLOPs utilization: model FLOP/s per GPU over the profile's dense peak
     hfu: float = 0.0  # hardware FLOPs utilization, the same with the recomputed forward counted
 
-
-class Layout(NamedTuple):
-    """One way to lay a model out: the degrees, the ZeRO stage, the microbatches per DP rank, the pipeline
-    schedule with its chunks per rank, and what the memory formula needs beside them: sequence parallelism with
-    TP, the recompute and the attention kernel (:data:`ATTENTION`), the sequences of a micro-batch."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    cp: int = 1
-    ep: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-    sp: bool = False
-    recompute: str = "none"
-    attention: str = "flash"
-    micro_batch: int = 1
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib.memory import params_from_dims, transformer_params
+from course_lib.model.formulas import params_from_dims, transformer_params
 
 DEFAULT_SEQ = 2048  # GPT-3's context (Brown et al. 2020)
 DEFAULT_GLOBAL_BATCH = 1024  # sequences: 2M tokens at 2048, GPT-3 13B's batch (Brown et al. 2020, Table 2.1)
@@ -98,7 +98,7 @@ class Model:
         return max([(self.vocab or 0) * self.hidden] + [self.hidden * w for w in widths])
 
     def memory_shape(self) -> dict:
-        """What :func:`course_lib.memory.memory_formula` needs of this model beyond the parallel layout."""
+        """What :func:`course_lib.model.formulas.memory_formula` needs of this model beyond the parallel layout."""
         return {
             "layers": self.layers,
             "seq": self.seq,

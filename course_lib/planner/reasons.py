@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 
-from course_lib.hardware import HardwareProfile
-from course_lib.memory import BYTES_PER_PARAM, CATEGORIES, interleaved_activation_factor, model_state_formula
+from course_lib.cluster.profiles import HardwareProfile
+from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model.config import BYTES_PER_PARAM, Layout
+from course_lib.model.formulas import interleaved_activation_factor, model_state_formula
 from course_lib.parallel.schedules import bubble_ratio
 from course_lib.planner.cost import PEAK, hardware_flops_per_token, schedule_costs
 from course_lib.planner.evaluate import evaluate
@@ -17,7 +19,6 @@ from course_lib.planner.layouts import (
     LAYOUT_AXES,
     SHAPES,
     Candidate,
-    Layout,
     Plan,
     describe,
     divisors,

@@ -18,7 +18,7 @@ from :func:`course_lib.planner.reasons.explain`."""
 
 from __future__ import annotations
 
-from course_lib.hardware import get_profile
+from course_lib.cluster.profiles import get_profile
 from course_lib.network import Network
 from course_lib.planner.evaluate import check_settings, evaluate, network
 from course_lib.planner.layouts import CLOSE, Candidate, Plan, describe, in_shape, layouts, tree_shape

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, launch, trace
-from course_lib.checkpoint import Held
 from course_lib.comm import Group, ring_factor
 from course_lib.memory import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.models import GPTConfig, MoE, TinyGPT, TrainConfig, make_optimizer
@@ -42,6 +41,7 @@ from course_lib.parallel.schedules import (
 )
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import placement
+from course_lib.runtime.checkpoint_state import Held
 
 
 def split_layers(layers: int, stages: int) -> list[range]:

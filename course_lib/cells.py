@@ -9,13 +9,14 @@
     %ranks ledger                   every cell's collectives so far, per rank
     %ranks stop
 
-The ranks are the launcher's (:mod:`course_lib.launch`): forked from its forkserver, joined in a gloo (or NCCL)
-group at a file store, each reporting the collective it is in through the same shared status the launcher's hang
-report reads, and recording every collective in the comm ledger (:mod:`course_lib.comm`). Each rank runs a loop
-that reads a message from its pipe (a cell's code, a name to get, a value to put), does it in its namespace (where
-``rank``, ``world_size``, ``dist``, ``comm`` and ``torch`` are ready) and answers on the same pipe with what the
-cell printed, the value of its last expression, its traceback if it raised, the figures it left open (drawn with
-matplotlib's Agg backend, sent as PNG and closed) and the ledger records it added.
+The ranks are the launcher's (:mod:`course_lib.launch`, with the plumbing of :mod:`course_lib.runtime.ranks`):
+forked from its forkserver, joined in a gloo (or NCCL) group at a file store, each reporting the collective it is in
+through the same shared status the launcher's hang report reads, and recording every collective in the comm ledger
+(:mod:`course_lib.comm`). Each rank runs a loop that reads a message from its pipe (a cell's code, a name to get, a
+value to put), does it in its namespace (where ``rank``, ``world_size``, ``dist``, ``comm`` and ``torch`` are
+ready) and answers on the same pipe with what the cell printed, the value of its last expression, its traceback if
+it raised, the figures it left open (drawn with matplotlib's Agg backend, sent as PNG and closed) and the ledger
+records it added.
 
 A rank that raises answers with its traceback and keeps its loop, so the next cell finds every rank alive. A cell
 whose ranks do not all answer within the timeout (a rank skipped a collective its peers wait in) is ended: the
@@ -35,7 +36,6 @@ import math
 import os
 import shlex
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -47,8 +47,19 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch, trace
+from course_lib import comm, launch
 from course_lib.forkserver import RANK_NAME, context
+from course_lib.runtime.ranks import (
+    RankState,
+    cores,
+    describe_exit,
+    die_with_parent,
+    laggards,
+    new_store_path,
+    rank_lines,
+    reap,
+    status_array,
+)
 
 DEFAULT_TIMEOUT_S = 20.0
 START_TIMEOUT_S = 60.0  # how long the ranks may take to join their group
@@ -155,15 +166,10 @@ def _answer(namespace: dict, kind: str, body) -> tuple[str, object]:
 
 def _rank_loop(rank: int, world_size: int, store_path: str, conn, status, backend: str, epoch: float, threads: int):
     """A persistent rank: join the group, then answer the kernel's requests until told to stop."""
-    launch._die_with_parent()
-    launch._IN_RANK = True
-    launch._STATUS = status[rank]
-    torch.set_num_threads(threads)
+    die_with_parent()
     _use_agg()
-    launch._join_group(rank, world_size, store_path, backend, launch.compute_device(backend), GROUP_TIMEOUT_S)
-    trace.reset(rank, epoch)
-    comm.reset()
-    comm.set_status_sink(launch._status_teller(status[rank]))
+    placed = launch.compute_device(backend)
+    launch.start_rank(rank, world_size, store_path, status, backend, placed, GROUP_TIMEOUT_S, epoch, threads)
     namespace = {"__name__": "__rank__", "rank": rank, "world_size": world_size, "dist": dist, "comm": comm}
     namespace["torch"] = torch
     conn.send(("ready", os.getpid()))
@@ -191,7 +197,7 @@ class Ranks:
         self.backend = launch.resolve_backend(backend, world_size)
         self.cells: list[Cell] = []
         self.pids: list[int] = []
-        self._ranks: list[launch._RankState] = []
+        self._ranks: list[RankState] = []
         self._store_path = ""
         self._status = None
         self.start()
@@ -199,19 +205,16 @@ class Ranks:
     def start(self) -> None:
         """Fork the ranks and wait until each has joined the group."""
         ctx = context()
-        handle, self._store_path = tempfile.mkstemp(prefix=f"{launch._STORE_PREFIX}{os.getpid()}-")
-        os.close(handle)
-        self._status = ctx.Array(launch._RankStatus, self.world_size, lock=False)
-        for entry in self._status:
-            entry.step = -1  # no training step begun (launch.began_step)
-        threads, epoch = max(1, launch._cores() // self.world_size), time.perf_counter()
+        self._store_path = new_store_path()
+        self._status = status_array(ctx, self.world_size)
+        threads, epoch = max(1, cores() // self.world_size), time.perf_counter()
         for rank in range(self.world_size):
             mine, theirs = ctx.Pipe()
             args = (rank, self.world_size, self._store_path, theirs, self._status, self.backend, epoch, threads)
             process = ctx.Process(target=_rank_loop, args=args, name=f"{RANK_NAME}{rank}", daemon=True)
             process.start()
             theirs.close()
-            self._ranks.append(launch._RankState(process, mine))
+            self._ranks.append(RankState(process, mine))
         try:
             ready = self._collect(range(self.world_size), START_TIMEOUT_S)
         except CellError:
@@ -226,7 +229,7 @@ class Ranks:
                 state.conn.send(("stop", None))
         for state in self._ranks:
             state.process.join(timeout=1.0)
-        launch._reap(self._ranks)
+        reap(self._ranks)
         self._ranks, self.pids = [], []
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._store_path)
@@ -259,7 +262,7 @@ class Ranks:
             sentinels = {self._ranks[r].process.sentinel: r for r in pending}
             wait([self._ranks[r].conn for r in pending] + list(sentinels), timeout=left)
             self._receive(pending, answers)
-            dead = {r: launch._describe_exit(self._ranks[r].process.exitcode) for r in pending if self._dead(r)}
+            dead = {r: describe_exit(self._ranks[r].process.exitcode) for r in pending if self._dead(r)}
             if dead:
                 time.sleep(0.1)  # let the answers already on their way arrive, then say where everyone was
                 self._receive(pending, answers)
@@ -283,8 +286,8 @@ class Ranks:
 
     def _where(self, pending: set[int], dead: dict[int, str], what: str) -> str:
         """``what`` happened, then one line per rank: finished, dead, or where it was (the launcher's words)."""
-        laggards = launch._laggards(self._ranks, pending - set(dead), self._status)
-        lines = launch._rank_lines(self._ranks, pending, self._status, laggards)
+        held_up_by = laggards(self._ranks, pending - set(dead), self._status)
+        lines = rank_lines(self._ranks, pending, self._status, held_up_by)
         lines = [f"  rank {r}: {dead[r]}" if r in dead else line for r, line in enumerate(lines)]
         return "\n".join([f"the cell {what}:", *lines])
 

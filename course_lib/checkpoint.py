@@ -1,29 +1,9 @@
 """Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): save a rank's training state, resume it
 exactly, on the same layout or another.
 
-**What is saved.** Each trainable parameter and its AdamW state (``exp_avg``, ``exp_avg_sq``: parameter-shaped;
-``step``: a scalar) under the parameter's fully qualified name on one device (``model.blocks.0.mlp.fc1.weight``,
-``optim.blocks.0.mlp.fc1.weight.exp_avg``), in its one-device shape. A rank offers the pieces of it that it holds,
-each a box of the one-device tensor at its offsets, one per dimension (:class:`Pieces`; DCP's chunk model). Two
-descriptions compose into them. Where the local tensor sits in the whole one (:func:`holdings`, :class:`Held`): the
-whole tensor (DP's replicas, ZeRO's parameters, a pipeline stage's; the stages name their parameters as one device
-does), or a tensor-parallel shard: one block of rows or of columns, or for the fused qkv three blocks of rows (its
-q, k and v heads; :func:`course_lib.parallel.tensor.placement`). And which elements of the local tensor the rank
-keeps: all of them, or a 1-D range of the flattened tensor where it holds a slice of a flat buffer (ZeRO-1/2's
-optimizer state, ZeRO-3's parameters and state, a 3D grid's ZeRO-1 state over its TP shards:
-:class:`course_lib.parallel.zero.FlatShard`), which is a partial first row, whole rows and a partial last row of
-boxes (:func:`_range_boxes`). Each piece is a view into the rank's own tensor, so a load writes in place. DCP writes
-every piece once (identical replicas are deduplicated by its planner; the pipeline's tied embedding is offered by
-the first stage only, since the last stage's copy may be cut differently by ZeRO) and records in its ``.metadata``
-which chunk of which tensor is where; at load, each rank asks for the pieces its own layout needs and DCP reads the
-overlapping chunks ("DCP reshards at load time": PyTorch's DCP docs, "Distributed Checkpoint -
-torch.distributed.checkpoint"). The checkpoint therefore knows nothing of buckets, units, padding, stages, TP degree
-or world size: ZeRO-3 on 4 ranks loads into ZeRO-3 on 2 or DP on 1, SP on 4 into TP on 2, a 3D grid into DP. Why not
-DTensor: a flat-buffer slice is an arbitrary 1-D range of a parameter and the fused qkv's shard three blocks, not
-one of DTensor's even ``Shard`` placements; ShardedTensor could say it but is deprecated and needs a collective per
-tensor. So :class:`Pieces` implements DCP's ``_Checkpointable`` protocol (``__create_write_items__``,
-``__create_chunk_list__``, as DTensor does) and the planners' documented extension points (``lookup_object``,
-``lookup_tensor``) return its pieces.
+**What is saved.** Each trainable parameter and its AdamW state under its name on one device, in its one-device
+shape; each rank offers the pieces of them it holds, and DCP reshards at load time, so a checkpoint loads into any
+layout (:mod:`course_lib.runtime.checkpoint_state`).
 
 Frozen parameters are not saved (the model's constructor rebuilds them from the seed), nor is any RNG state of the
 tiny GPT's training: it has no dropout, and its data is a pure function of the step
@@ -39,12 +19,11 @@ they were and a ``.partial`` folder that nothing reads (the next save of that st
 (§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be.
 
 **The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
-before its first step and saves after each optimizer step that :meth:`Plan.due` names (a :class:`Saver`: with
-:func:`save` while training waits, or with ``Plan.asynchronous`` in the background, as ``dcp.async_save`` does),
-reading the :class:`Plan` that :func:`planned` makes active in the rank's process (as :mod:`course_lib.faults`
-passes a fault), so no scheme carries checkpoint code. The harness builds the plan with :func:`plan_for`, which
-refuses a bad resume
-before any rank starts.
+before its first step and saves after each optimizer step that :meth:`CheckpointPlan.due` names (a :class:`Saver`:
+with :func:`save` while training waits, or with ``CheckpointPlan.asynchronous`` in the background, as
+``dcp.async_save`` does), reading the :class:`CheckpointPlan` that :func:`planned` makes active in the rank's process
+(as :mod:`course_lib.faults` passes a fault), so no scheme carries checkpoint code. The harness builds the plan with
+:func:`plan_for`, which refuses a bad resume before any rank starts.
 """
 
 from __future__ import annotations
@@ -56,26 +35,26 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib import faults, launch, trace
+from course_lib.runtime.checkpoint_state import Pieces, dcp_planners, training_state
 
 FORMAT = "course_lib.checkpoint/2"  # 2: tensors in their one-device shapes (1: flattened)
 META = "meta.json"
-STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's parameter-shaped state; "step" is its scalar
 TRAIN_FIELDS = ("batch", "lr", "weight_decay", "adam_eps", "seed", "dtype")  # all of TrainConfig that the path needs
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
 # ------------------------------------------------------------------------------------------------ plan
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class CheckpointPlan:
     """What a rank does about checkpoints: save into ``directory`` after every ``every``-th step (both or neither),
     resume from the checkpoint folder ``resume`` (a ``step-<n>`` folder), and record ``meta`` (the scheme, world
     size, model and training settings) in each checkpoint."""
@@ -92,231 +71,20 @@ class Plan:
         return self.every is not None and (step + 1) % self.every == 0
 
 
-_ACTIVE: Plan | None = None  # the plan of this rank's process, set by planned
+_ACTIVE: CheckpointPlan | None = None  # the plan of this rank's process, set by planned
 
 
-def active() -> Plan | None:
+def active() -> CheckpointPlan | None:
     """This rank's checkpoint plan, if the run has one."""
     return _ACTIVE
 
 
-def planned(fn: Callable, plan: Plan) -> Callable:
+def planned(fn: Callable, plan: CheckpointPlan) -> Callable:
     """``fn`` (a rank function) with ``plan`` active in every rank that runs it; pass it to ``launch.run``."""
     return launch.with_setting(fn, __name__, "_ACTIVE", plan)
 
 
 # ------------------------------------------------------------------------------------------------ the state
-class Block(NamedTuple):
-    """Where part of a rank's local tensor sits in the one-device tensor: the box of ``size`` at offsets ``local``
-    in the local tensor is the box at offsets ``at`` in the whole one."""
-
-    local: tuple[int, ...]
-    at: tuple[int, ...]
-    size: tuple[int, ...]
-
-
-class Held(NamedTuple):
-    """A trainable parameter as a rank holds it: its one-device ``name`` and ``shape``, the local tensor ``param``
-    and the ``blocks`` that place it in the whole. ``save`` False: a replica whose equal copy another rank saves
-    (the pipeline's tied embedding on the last stage); it is still loaded."""
-
-    name: str
-    param: nn.Parameter
-    shape: tuple[int, ...]
-    blocks: tuple[Block, ...]
-    save: bool = True
-
-
-def whole(shape: Sequence[int]) -> tuple[Block, ...]:
-    """The blocks of a tensor held whole."""
-    zeros = (0,) * len(shape)
-    return (Block(zeros, zeros, tuple(shape)),)
-
-
-def holdings(model: nn.Module) -> list[Held]:
-    """The trainable parameters ``model`` holds: as its ``checkpoint_holdings()`` describes them (tensor-parallel
-    shards, pipeline stages), else whole under their names in the module the course's wrappers wrap."""
-    if hasattr(model, "checkpoint_holdings"):
-        return model.checkpoint_holdings()
-    return [
-        Held(n, p, tuple(p.shape), whole(p.shape)) for n, p in _wrapped(model).named_parameters() if p.requires_grad
-    ]
-
-
-class Pieces:
-    """This rank's pieces of one tensor of ``shape``: ``{offsets: view}``, each view a box of the tensor at its
-    offsets (one per dimension). A DCP ``_Checkpointable``: each piece is a chunk of the global tensor."""
-
-    def __init__(self, shape: Sequence[int]) -> None:
-        self.shape, self.pieces = torch.Size(shape), {}
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __create_write_items__(self, fqn: str, _obj: object) -> list:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties.create_from_tensor(piece), size=self.shape
-                ),
-            )
-            for (offsets, piece), chunk in zip(self.pieces.items(), self.__create_chunk_list__(), strict=True)
-        ]
-
-    def __create_chunk_list__(self) -> list:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [ChunkStorageMetadata(torch.Size(o), piece.shape) for o, piece in self.pieces.items()]
-
-    def piece(self, index: Any) -> torch.Tensor:
-        """The piece at ``index.offset`` (a DCP ``MetadataIndex``)."""
-        return self.pieces[tuple(index.offset)]
-
-
-def _wrapped(model: nn.Module) -> nn.Module:
-    """The student's or the tiny GPT's module inside the course's wrappers (``DataParallel``, FSDP), whose names
-    the checkpoint uses; the model itself otherwise."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) and hasattr(model, "finish_gradient_synchronization") else model
-
-
-def _range_boxes(lo: int, hi: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The elements lo .. hi-1 (row-major) of a tensor of ``shape`` as few boxes (offsets, sizes): a partial
-    first row, the whole rows between, a partial last row, each split the same way one dimension down."""
-    if lo >= hi:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    (r0, c0), (r1, c1) = divmod(lo, inner), divmod(hi, inner)
-
-    def in_row(r: int, a: int, b: int) -> list:
-        return [((r, *o), (1, *s)) for o, s in _range_boxes(a, b, shape[1:])]
-
-    if r0 == r1:
-        return in_row(r0, c0, c1)
-    boxes = in_row(r0, c0, inner) if c0 else []
-    r0 += bool(c0)
-    if r1 > r0:
-        boxes.append(((r0, *(0,) * (len(shape) - 1)), (r1 - r0, *shape[1:])))
-    return boxes + (in_row(r1, 0, c1) if c1 else [])
-
-
-def _pieces(held: Held, lo: int, flat: torch.Tensor) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """The elements lo .. lo + flat.numel() - 1 of ``held.param`` (row-major), kept in the contiguous 1-D ``flat``
-    (a view of the parameter, of its optimizer state, or of a flat-buffer slice), as pieces of the one-device
-    tensor: (offsets there, a view into ``flat`` of that box)."""
-    shape = tuple(held.param.shape)
-    strides = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-    for offsets, sizes in _range_boxes(lo, lo + flat.numel(), shape):
-        for block in held.blocks:
-            first = [max(o, b) for o, b in zip(offsets, block.local, strict=True)]
-            ends = [min(o + s, b + n) for o, s, b, n in zip(offsets, sizes, block.local, block.size, strict=True)]
-            if any(a >= e for a, e in zip(first, ends, strict=True)):
-                continue
-            at = sum(a * s for a, s in zip(first, strides, strict=True)) - lo  # the box's first element in flat
-            view = flat.as_strided(
-                [e - a for a, e in zip(first, ends, strict=True)], strides, flat.storage_offset() + at
-            )
-            yield tuple(a - b + g for a, b, g in zip(first, block.local, block.at, strict=True)), view
-
-
-def _segments(held: dict[int, Held], shards: list | None) -> Iterator[tuple[Held, int, torch.Tensor, int, int]]:
-    """Where this rank keeps each held parameter's elements (or their optimizer state): (held, the first element's
-    index in the parameter, the holder tensor, its index in the holder, how many). Without ``shards`` a parameter is
-    its own holder; with them (``[(FlatShard, local slice)]``), each parameter's part in each of the rank's slices."""
-    if shards is None:
-        for h in held.values():
-            yield h, 0, h.param, 0, h.param.numel()
-        return
-    for flat, local in shards:
-        start = 0
-        for p in flat.params:
-            lo, hi = max(flat.lo, start), min(flat.hi, start + p.numel())
-            if lo < hi and id(p) in held:
-                yield held[id(p)], lo - start, local, lo - flat.lo, hi - lo
-            start += p.numel()
-
-
-def _adam_state(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, step_dtype: torch.dtype | None) -> dict:
-    """AdamW's state of ``tensor``; created as AdamW's first step would (zeros, step 0) when ``step_dtype`` is given
-    and there is none yet, so that a fresh optimizer can be loaded into."""
-    state = optimizer.state[tensor]
-    if not state and step_dtype is not None:
-        state |= {"step": torch.zeros((), dtype=step_dtype)} | {k: torch.zeros_like(tensor) for k in STATE_KEYS}
-    if set(state) != {"step", *STATE_KEYS}:
-        raise RuntimeError(
-            f"a checkpoint holds AdamW's state (step, exp_avg, exp_avg_sq), and this optimizer's state has "
-            f"{sorted(state)}: use AdamW without amsgrad, or step it once before saving"
-        )
-    return state
-
-
-def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step_dtype: torch.dtype | None = None, saving: bool = False
-):
-    """The state dict DCP saves or loads for ``model`` and its ``optimizer``: ``{key: Pieces}`` of the
-    parameter-shaped tensors, and ``{key: (state dict, ...)}`` of the AdamW step counters (one scalar per
-    parameter; a ZeRO slice's counter serves every parameter it meets). Pass ``step_dtype`` to load: missing AdamW
-    state is then created; ``saving``: leave out the replicas another rank saves (:class:`Held`).
-
-    The layout is read from the model and the course's wrappers: :func:`holdings` places each local tensor in the
-    one-device one (whole, or a tensor-parallel shard); a model with ``local_shards()`` (FSDP) holds slices of its
-    parameters, an optimizer with ``local_shards()`` (ZeRO-1/2, a 3D grid's ZeRO-1) slices of their state in its
-    inner ``.optim``."""
-    held = {id(h.param): h for h in holdings(model) if h.save or not saving}
-    tensors: dict[str, Pieces] = {}
-    steps: dict[str, list[dict]] = {}
-
-    def offer(key: str, h: Held, lo: int, flat: torch.Tensor) -> None:
-        tensors.setdefault(key, Pieces(h.shape)).pieces.update(_pieces(h, lo, flat))
-
-    model_shards = model.local_shards() if hasattr(model, "local_shards") else None
-    for h, lo, holder, start, n in _segments(held, model_shards):
-        offer(f"model.{h.name}", h, lo, holder.detach().view(-1)[start : start + n])
-    opt_shards = optimizer.local_shards() if hasattr(optimizer, "local_shards") else model_shards
-    inner = getattr(optimizer, "optim", optimizer)
-    for h, lo, holder, start, n in _segments(held, opt_shards):
-        state = _adam_state(inner, holder, step_dtype)
-        for k in STATE_KEYS:
-            offer(f"optim.{h.name}.{k}", h, lo, state[k].view(-1)[start : start + n])
-        steps.setdefault(f"optim.{h.name}.step", []).append(state)
-    return tensors, steps
-
-
-def _planners():
-    """DCP's default planners, looking up :class:`Pieces` through their documented extension points."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-
-    class SavePlanner(DefaultSavePlanner):
-        def lookup_object(self, index):
-            obj = self.state_dict[index.fqn]
-            if not isinstance(obj, Pieces):
-                return super().lookup_object(index)
-            # a contiguous copy: torch.save of a view would write its whole buffer
-            return obj.piece(index).clone(memory_format=torch.contiguous_format)
-
-    class LoadPlanner(DefaultLoadPlanner):
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-            # DefaultLoadPlanner's set-up (_init_state_dict, torch 2.13) turns values that are not tensors into None;
-            # ours hold no meta tensors to initialize, so put them back.
-            pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-            state_dict.update(pieces)
-            self.state_dict.update(pieces)
-
-        def lookup_tensor(self, index):
-            obj = self.state_dict[index.fqn]
-            return obj.piece(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
-
-    return SavePlanner(), LoadPlanner()
-
-
 # ------------------------------------------------------------------------------------------------ save, load
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, staged: bool) -> dict[str, Any]:
     """What this rank saves: its pieces of every parameter and AdamW state, the AdamW step counters and its RNG
@@ -340,13 +108,13 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, staged: b
     return state
 
 
-def _folders(plan: Plan, step: int) -> tuple[Path, Path]:
+def _folders(plan: CheckpointPlan, step: int) -> tuple[Path, Path]:
     """The checkpoint folder of ``step`` and the ``.partial`` folder it is written into."""
     root = Path(plan.directory)
     return root / f"step-{step}", root / f".step-{step}.partial"
 
 
-def _prepare(plan: Plan, step: int) -> Path:
+def _prepare(plan: CheckpointPlan, step: int) -> Path:
     """Every rank, before writing ``step``: rank 0 makes the folder and clears what a crashed save of this step left;
     returns the ``.partial`` folder to write into."""
     target, partial = _folders(plan, step)
@@ -357,7 +125,7 @@ def _prepare(plan: Plan, step: int) -> Path:
     return partial
 
 
-def _publish(plan: Plan, step: int) -> Path:
+def _publish(plan: CheckpointPlan, step: int) -> Path:
     """Rank 0, once every rank's shards of ``step`` and DCP's ``.metadata`` are written: add ``meta.json`` and
     rename the ``.partial`` folder into place (module docstring)."""
     target, partial = _folders(plan, step)
@@ -382,7 +150,7 @@ def _publish(plan: Plan, step: int) -> Path:
     return target
 
 
-def save(plan: Plan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+def save(plan: CheckpointPlan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
     """Every rank: write the state after ``step`` optimizer steps as ``plan.directory/step-<step>``, atomically,
     while training waits (module docstring). An injected fault of phase ``checkpoint`` fires after the shards are
     written and before the rename (:func:`course_lib.faults.reach`)."""
@@ -390,7 +158,7 @@ def save(plan: Plan, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
 
     partial = _prepare(plan, step)
     state = _state_to_save(model, optimizer, staged=False)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_planners()[0])
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=dcp_planners()[0])
     faults.reach(step - 1, "checkpoint")
     if dist.get_rank() == 0:
         _publish(plan, step)
@@ -412,7 +180,7 @@ class Saver:
     to save), ``write`` (the state going to storage) and ``wait`` (waiting for the background write to end;
     asynchronous only)."""
 
-    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, plan: CheckpointPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp  # imported before the first save, so that no stall includes it
 
         self._dcp = dcp
@@ -452,7 +220,7 @@ class Saver:
         future = self._dcp.async_save(
             state,
             storage_writer=self._dcp.FileSystemWriter(partial),
-            planner=_planners()[0],
+            planner=dcp_planners()[0],
             process_group=self._group,
             async_stager=_already_staged(),
         )
@@ -528,7 +296,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     same_world = meta["world_size"] == dist.get_world_size()
     if same_world:
         state[rng] = torch.empty_like(torch.get_rng_state())
-    dcp.load(state, storage_reader=reader, planner=_planners()[1])
+    dcp.load(state, storage_reader=reader, planner=dcp_planners()[1])
     keys_of: dict[int, list[str]] = {}  # a ZeRO slice's one counter is saved under each parameter it meets
     for key, states in steps.items():
         for s in states:
@@ -627,7 +395,7 @@ def plan_for(
     every: int | None,
     resume: str | os.PathLike | None,
     asynchronous: bool = False,
-) -> Plan | None:
+) -> CheckpointPlan | None:
     """The run's plan, or None without checkpoints; a ValueError saying what to change for a scheme that cannot
     checkpoint, ``every`` without a folder (or the reverse), ``asynchronous`` without them, or a resume from
     something that is not a checkpoint, of another model or training settings, or with no step left to run."""
@@ -646,7 +414,7 @@ def plan_for(
         raise ValueError(f"checkpoint_every must be a whole number of steps of at least 1, not {every!r}")
     meta = describe(scheme, world_size, cfg, train, model)
     if resume is None:
-        return Plan(meta, str(directory), every, asynchronous=asynchronous)
+        return CheckpointPlan(meta, str(directory), every, asynchronous=asynchronous)
     path = find(resume)
     saved = read_meta(path)
     wrong = [
@@ -670,4 +438,6 @@ def plan_for(
             f"cannot resume from {path}: it holds the state after {saved['step']} steps, and this run has "
             f"{train.steps}, so nothing is left to train; ask for more than {saved['step']} steps"
         )
-    return Plan(meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous)
+    return CheckpointPlan(
+        meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous
+    )

@@ -21,6 +21,8 @@ PRELOAD = [
     "torch.optim",
     "course_lib",
     "course_lib.launch",
+    "course_lib.runtime.ranks",
+    "course_lib.runtime.failures",
     "course_lib.models",
     "course_lib.memory",
 ]

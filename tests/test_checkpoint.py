@@ -20,6 +20,8 @@ from course_lib.launch import RankError
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
+from course_lib.runtime.checkpoint_state import Pieces
+from course_lib.harness import run_scheme
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
 TRAIN = TrainConfig(steps=4, dtype="float64")
@@ -282,7 +284,7 @@ def test_asynchronous_checkpoints_change_nothing_and_resume_bitwise(six_steps, t
         assert bitwise_equal(params(resumed), params(six_steps))
 
 
-class SlowPieces(checkpoint.Pieces):
+class SlowPieces(Pieces):
     """A rank's live pieces whose write waits 20 ms per piece: the background write reads them while later steps
     change them."""
 
@@ -295,7 +297,7 @@ def unstaged_state(model, optimizer, staged: bool) -> dict:
     """The state to save without the copy to host memory: live, slowly read pieces."""
     state = REAL_STATE(model, optimizer, staged=False)
     for key, value in state.items():
-        if isinstance(value, checkpoint.Pieces):
+        if isinstance(value, Pieces):
             state[key] = SlowPieces(value.shape)
             state[key].pieces = value.pieces
     return state

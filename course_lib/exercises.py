@@ -38,8 +38,10 @@ from functools import cache
 from pathlib import Path
 
 from course_lib.cluster.profiles import get_profile
-from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE  # tried in this order, as the planner does
-from course_lib.model.config import Layout
+from course_lib.model.config import (
+    RECOMPUTE_MODES,  # tried in this order, as the planner does
+    Layout,
+)
 from course_lib.model.formulas import model_state_formula
 from course_lib.planner.evaluate import evaluate
 from course_lib.planner.layouts import CLOSE, SHAPES, Candidate, Plan, describe, layouts, splits_layers
@@ -274,7 +276,7 @@ def _mine(ans: Answer, sc: _Scenario) -> Candidate | None:
     """The answer's fastest layout that fits, at the least recompute that lets one fit; if none fits, its
     smallest with full recompute; None if it describes no layout."""
     smallest = None
-    for recompute in RECOMPUTE:
+    for recompute in RECOMPUTE_MODES:
         if ans.hsdp:
             cands = [_hsdp(sc.exercise, sc.id, recompute)]
         else:

@@ -231,7 +231,7 @@ def run(
     (busy elsewhere, stopped, or a collective behind), the run ends naming that rank and where every rank is.
     ``max_ranks`` raises the machine's limit on local ranks (:func:`max_local_ranks`).
     ``count_flops`` counts every operator's FLOPs into the ranks' programs (needed to replay them on a modeled
-    cluster, :func:`course_lib.hardware.replay`; it slows CPU ranks down about as much as the memory meter).
+    cluster, :func:`course_lib.cluster.clock.replay`; it slows CPU ranks down about as much as the memory meter).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, not {world_size!r}")

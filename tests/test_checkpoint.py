@@ -21,7 +21,6 @@ from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.models import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
 from course_lib.runtime.checkpoint_state import Pieces
-from course_lib.harness import run_scheme
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
 TRAIN = TrainConfig(steps=4, dtype="float64")

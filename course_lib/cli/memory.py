@@ -7,7 +7,7 @@ import argparse
 
 from course_lib.cli.common import add_json_flag, natural, positive_float, positive_int, say, write_json
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
+from course_lib.model.config import RECOMPUTE_MODES
 from course_lib.model.formulas import memory_formula, transformer_params
 
 EXPERT_FLAGS = ("top_k", "expert_ffn", "shared_experts", "dense_layers")
@@ -191,7 +191,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mem.add_argument("--shared-experts", type=natural, help="experts every token visits (default 0)")
     mem.add_argument("--dense-layers", type=natural, help="first layers without experts (default 0)")
     mem.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
-    mem.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    mem.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
     mem.add_argument(
         "--attention", choices=["flash", "materialized"], default="flash", help="is the s x s score matrix stored?"
     )

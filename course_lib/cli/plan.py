@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from course_lib.cli.common import add_json_flag, positive_float, positive_int, say, write_json
-from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
+from course_lib.model.config import RECOMPUTE_MODES
 
 LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
 
@@ -193,7 +193,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
     given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
     given.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved")
-    given.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default none)")
+    given.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute (default none)")
     given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")
     given.add_argument("--no-sp", action="store_true", help="no sequence parallelism with TP")
     pl.set_defaults(func=cmd_plan)

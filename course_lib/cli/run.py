@@ -23,9 +23,7 @@ from course_lib.cli.common import (
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
 from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.model.config import HALF_TYPES as HALF
-from course_lib.model.config import MIXED_PRECISIONS as CONVENTIONS
-from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.config import HALF_TYPES, MIXED_PRECISIONS, GPTConfig, TrainConfig
 from course_lib.models import within_capacity
 
 if TYPE_CHECKING:
@@ -434,12 +432,12 @@ def _add_mixed_precision_flags(run: argparse.ArgumentParser, schemes: dict) -> N
     mixed = run.add_argument_group(f"mixed precision ({mixed_schemes})")
     mixed.add_argument(
         "--precision",
-        choices=CONVENTIONS,
+        choices=MIXED_PRECISIONS,
         default=argparse.SUPPRESS,
         help="16-bit weights, fp32 optimizer state: mixed 16 bytes per parameter (fp32 master weights and moments), "
         "megatron 18 (also fp32 main gradients), no-master 12 (no master copy); default: --dtype throughout",
     )
-    mixed.add_argument("--half", choices=list(HALF), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)")
+    mixed.add_argument("--half", choices=list(HALF_TYPES), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)")
     mixed.add_argument(
         "--loss-scale",
         type=_loss_scale,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from course_lib.cli.common import natural, positive_float, positive_int
-from course_lib.model.config import RECOMPUTE_MODES as RECOMPUTE
-from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.config import RECOMPUTE_MODES, GPTConfig, TrainConfig
 
 MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
 
@@ -70,7 +69,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--recompute",
-        choices=RECOMPUTE,
+        choices=RECOMPUTE_MODES,
         default="none",
         help="activation recompute in backward: selective (the attention scores) or full (every layer)",
     )

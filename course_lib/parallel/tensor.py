@@ -63,8 +63,7 @@ from course_lib.parallel.tensor_mappings import (
     gather_param,
     shard_of,
 )
-from course_lib.runtime.checkpoint_state import Box as Block
-from course_lib.runtime.checkpoint_state import Held, whole
+from course_lib.runtime.checkpoint_state import Box, Held, whole
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -326,7 +325,7 @@ def shard_shape(name: str, param: torch.Tensor, t: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[int, ...], tuple[Block, ...]]:
+def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[int, ...], tuple[Box, ...]]:
     """The one-device shape of parameter ``name`` and where rank ``r`` of ``t``'s shard of shape ``shard`` sits in
     it, as :class:`course_lib.runtime.checkpoint_state.Box` boxes: one for ``rows`` (a block of rows) and ``columns`` (a block
     of columns), three for ``heads`` (the fused qkv's [q_r; k_r; v_r]: rows r h/t .. (r+1) h/t of each of q, k
@@ -338,12 +337,12 @@ def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[
     zeros = (0,) * len(shard)
     if split == "heads":
         third = shard[0] // 3  # h/t rows of each of q, k, v
-        blocks = tuple(Block((j * third, 0), (j * third * t + r * third, 0), (third, shard[1])) for j in range(3))
+        blocks = tuple(Box((j * third, 0), (j * third * t + r * third, 0), (third, shard[1])) for j in range(3))
         return (3 * third * t, shard[1]), blocks
     dim = 0 if split == "rows" else 1
     shape = tuple(n * t if d == dim else n for d, n in enumerate(shard))
     at = tuple(r * n if d == dim else 0 for d, n in enumerate(shard))
-    return shape, (Block(zeros, at, shard),)
+    return shape, (Box(zeros, at, shard),)
 
 
 def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:

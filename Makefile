@@ -31,7 +31,7 @@ test: $(STAMP) lint
 
 # Every lesson executed and checked, written as a static site to read without a kernel: out/html/index.html.
 html: $(STAMP)
-	$(BIN)/python -m course_lib.site out/html
+	$(BIN)/python -m course_lib.ui.site out/html
 
 clean:
 	rm -rf $(VENV) demo_out out .pytest_cache

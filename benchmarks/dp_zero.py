@@ -1,12 +1,13 @@
 """Step time of our bucketed data parallel and ZeRO-3 against PyTorch's DDP and FSDP2, on the same ranks and model.
 
 Each scheme trains the tiny GPT for ``--steps`` steps on ``--world-size`` ranks (gloo on CPU, NCCL on GPUs),
-``--repeats`` launches each, interleaved. Ours (``course_lib.parallel``) and PyTorch's (``course_lib.production``)
-both record forward, backward and optimizer spans (and ours its collectives) on the course timeline, tagged with the
-step; a step takes, on one rank, from the first start to the last end of its events (building the batch is outside),
-and the step's time is that of its slowest rank. The table gives the median over the steps after ``--warmup`` of
-all launches, and the bytes a rank sends per step by our ledger (PyTorch's collectives bypass it). Our DP and DDP
-use the same bucket size. Targets: our bucketed DP within 1.10x of DDP, our ZeRO-3 within 1.25x of FSDP2.
+``--repeats`` launches each, interleaved. Ours (``course_lib.parallel``) and PyTorch's
+(``course_lib.parallel.production``) both record forward, backward and optimizer spans (and ours its collectives) on the
+course timeline, tagged with the step; a step takes, on one rank, from the first start to the last end of its events
+(building the batch is outside), and the step's time is that of its slowest rank. The table gives the median over the
+steps after ``--warmup`` of all launches, and the bytes a rank sends per step by our ledger (PyTorch's collectives
+bypass it). Our DP and DDP use the same bucket size. Targets: our bucketed DP within 1.10x of DDP, our ZeRO-3 within
+1.25x of FSDP2.
 
 Our training loop normally runs every step inside ``MemoryMeter``, a ``TorchDispatchMode`` that does Python
 bookkeeping on every operator; PyTorch's loop has no meter, so ours is timed with ``measure_memory=False``, and once
@@ -20,11 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from course_lib import comm, launch
+from course_lib.ledgers import comm
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
 from course_lib.parallel.fsdp import train_fsdp
-from course_lib.production import train_ddp, train_fsdp2
+from course_lib.parallel.production import train_ddp, train_fsdp2
+from course_lib.runtime import launch
 
 
 def step_times(result: launch.RunResult, steps: range) -> list[float]:

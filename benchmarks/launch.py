@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib import launch
+from course_lib.runtime import launch
 
 TARGET_P99_S = {8: 0.3}
 

@@ -4,7 +4,7 @@ split and schedules.
 Each scheme trains the tiny GPT for ``--steps`` steps on ``--world-size`` ranks that form one pipeline (gloo on CPU,
 NCCL on GPUs), the global ``--batch`` cut into ``--microbatches``, ``--repeats`` launches each, interleaved. Ours is
 ``course_lib.parallel.pipeline.train_pipeline`` (our schedule tables, blocking receives and non-blocking sends
-through our ledger), PyTorch's ``course_lib.production.train_torch_pipelining`` (``PipelineStage`` with
+through our ledger), PyTorch's ``course_lib.parallel.production.train_torch_pipelining`` (``PipelineStage`` with
 ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``); both run the same stage modules
 (``build_stages``) and sum the tied embedding's gradient between the first and the last stage. For each of GPipe,
 1F1B and interleaved 1F1B (``--chunks`` stages per rank; needs ``--layers`` >= world size x chunks and microbatches
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from dp_zero import benchmark_parser, check_timing_arguments, time_interleaved
 
-from course_lib import comm, launch
+from course_lib.ledgers import comm
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.pipeline import split_layers, train_pipeline
+from course_lib.parallel.production import train_torch_pipelining
 from course_lib.parallel.schedules import validate
-from course_lib.production import train_torch_pipelining
+from course_lib.runtime import launch
 
 ROW = "{:<34} {:>8} {:>8} {:>28} {:>11}"
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}

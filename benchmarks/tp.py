@@ -4,14 +4,14 @@ ranks and model.
 Each scheme trains the tiny GPT for ``--steps`` steps on ``--world-size`` ranks that form one tensor-parallel group
 (gloo on CPU, NCCL on GPUs), every rank on the whole ``--batch``, ``--repeats`` launches each, interleaved. Ours is
 ``course_lib.parallel.tensor.train_tensor_parallel`` (Megatron's f/g operators, vocabulary-parallel embedding, head
-and cross-entropy), PyTorch's ``course_lib.production.train_dtensor_tp`` (``parallelize_module`` with
+and cross-entropy), PyTorch's ``course_lib.parallel.production.train_dtensor_tp`` (``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel``, and ``SequenceParallel`` LayerNorms under SP; embedding, head and loss
 replicated). Step times are measured as in ``dp_zero.py``: on each rank from the first start to the last end of the
 step's timeline events, the step's time that of its slowest rank, the median over the steps after ``--warmup`` of
 all launches. The bytes are what rank 0 sends per step by our ledger (PyTorch's collectives bypass it). Ours runs
 with ``measure_memory=False``, as PyTorch's loop has no memory meter. Under SP, PyTorch's is timed a second time with
 ``reduce_grads=True`` (its ``Partial`` LayerNorm gradients all-reduced once in backward instead of lazily in every
-optimizer op that reads them; see :func:`course_lib.production.train_dtensor_tp`), the ratio in parentheses.
+optimizer op that reads them; see :func:`course_lib.parallel.production.train_dtensor_tp`), the ratio in parentheses.
 
     .venv/bin/python benchmarks/tp.py --world-size 4 --steps 10 --warmup 3
 """
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dp_zero import benchmark_parser, check_timing_arguments, mean_losses, sent_bytes, time_interleaved
 
-from course_lib import launch
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.parallel.production import train_dtensor_tp
 from course_lib.parallel.tensor import check_tensor_parallel, train_tensor_parallel
-from course_lib.production import train_dtensor_tp
+from course_lib.runtime import launch
 
 ROW = "{:<42} {:>8} {:>8} {:>16} {:>11}"
 

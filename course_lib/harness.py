@@ -11,8 +11,8 @@ the last step on a modeled cluster. Its settings travel grouped: :class:`LaunchS
 A scheme lives in its own module of :mod:`course_lib.parallel`, which implements
 :class:`course_lib.parallel.interface.Scheme`: a rank function ``fn(cfg, train, **settings) -> dict`` with
 ``losses`` (this rank's per-step losses over the rows it saw, or None when it saw no loss), ``params`` (the full
-parameters by name on ranks that hold them, else None), ``memory`` (a :class:`course_lib.ledgers.memory.MemoryReport` dict
-of the last step) and ``coords``; and its checks and predictions. Nothing here depends on which scheme runs.
+parameters by name on ranks that hold them, else None), ``memory`` (a :class:`course_lib.ledgers.memory.MemoryReport`
+dict of the last step) and ``coords``; and its checks and predictions. Nothing here depends on which scheme runs.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course_lib import checkpoint, comm, launch, precision
-from course_lib import placement as placing
+from course_lib.cluster import placement as placing
 from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.faults import Fault, injected
+from course_lib.cluster.topology import Topology
+from course_lib.ledgers import comm
+from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import (
+from course_lib.model.gpt import (
     ModelFactory,
     TrainResult,
     build_model,
@@ -43,7 +44,8 @@ from course_lib.models import (
     train_reference,
 )
 from course_lib.parallel.interface import Scheme
-from course_lib.topology import Topology
+from course_lib.runtime import checkpoint, launch
+from course_lib.runtime.faults import Fault, injected
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
 SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context", "expert")
@@ -58,7 +60,7 @@ ALIASES = {"fsdp": "zero3"}
 @dataclass(frozen=True)
 class LaunchSettings:
     """How the ranks run: the backend, the device they compute on, the launcher's limits
-    (:func:`course_lib.launch.run`), or one rank in this process (``in_process``)."""
+    (:func:`course_lib.runtime.launch.run`), or one rank in this process (``in_process``)."""
 
     backend: str = "auto"
     device: str | None = None
@@ -80,7 +82,7 @@ class FaultSettings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     """Save into ``directory`` after every ``every``-th step, resume from ``resume``, write in the background
-    (``asynchronous``): :func:`course_lib.checkpoint.plan_for`."""
+    (``asynchronous``): :func:`course_lib.runtime.checkpoint.plan_for`."""
 
     directory: str | None = None
     every: int | None = None
@@ -153,7 +155,7 @@ def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwarg
 
 @functools.lru_cache(maxsize=32)
 def reference_run(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None = None) -> TrainResult:
-    """:func:`course_lib.models.train_reference` for this configuration (and model factory), trained once per
+    """:func:`course_lib.model.gpt.train_reference` for this configuration (and model factory), trained once per
     process and kept (treat the result as read-only). With local ranks it trains in a child of the rank server,
     which has torch's optimizer machinery imported already (importing it here would cost the first run two seconds);
     under torchrun, on rank 0 alone, which sends it to the others (the scheme's run has set up their process
@@ -191,26 +193,26 @@ def run_scheme(
 ) -> SchemeRun:
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`, the ranks computing
     on ``device`` (``cpu`` or ``cuda``; default: CUDA under NCCL, else the CPU, as
-    :func:`course_lib.launch.compute_device` says: gloo ranks on ``cuda`` share the GPUs there are); with ``hardware``
-    (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with ``topology``
-    too (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod"`` or ``"tpu-v5p:4x4x4"``),
-    time its collectives on that topology's links, with ``algorithm`` forced where it can run
+    :func:`course_lib.runtime.launch.compute_device` says: gloo ranks on ``cuda`` share the GPUs there are); with
+    ``hardware`` (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with
+    ``topology`` too (a :class:`course_lib.cluster.topology.Topology` or a profile such as ``"h100-superpod"`` or
+    ``"tpu-v5p:4x4x4"``), time its collectives on that topology's links, with ``algorithm`` forced where it can run
     (:func:`course_lib.cluster.clock.replay`), the mesh's axes on the topology's levels as ``placement`` says (such as
-    ``"tp/pp,dp"``, :mod:`course_lib.placement`; default: rank r on GPU r). ``patch`` =
+    ``"tp/pp,dp"``, :mod:`course_lib.cluster.placement`; default: rank r on GPU r). ``patch`` =
     (module, "Class.attribute" or "function", replacement) swaps one component inside every rank (bug hunts).
-    ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.launch.run`; ``in_process`` runs a
-    one-rank scheme and its reference in this process (:func:`course_lib.launch.run_here`), starting nothing.
+    ``timeout``, ``stall_timeout`` and ``max_ranks`` go to :func:`course_lib.runtime.launch.run`; ``in_process`` runs a
+    one-rank scheme and its reference in this process (:func:`course_lib.runtime.launch.run_here`), starting nothing.
     ``model``, for the schemes that take one (a setting of their rank function), is a factory of the student's own
-    module (:func:`course_lib.models.build_model`), trained in place of the tiny GPT and by the reference.
-    ``fault`` (:class:`course_lib.faults.Fault`) makes one rank fail at a step on purpose, in every scheme alike;
-    the run then ends in a :class:`course_lib.launch.RankError` naming the rank and the step.
+    module (:func:`course_lib.model.gpt.build_model`), trained in place of the tiny GPT and by the reference.
+    ``fault`` (:class:`course_lib.runtime.faults.Fault`) makes one rank fail at a step on purpose, in every scheme
+    alike; the run then ends in a :class:`course_lib.runtime.launch.RankError` naming the rank and the step.
 
     ``checkpoint_dir`` and ``checkpoint_every`` K save the training state as ``checkpoint_dir/step-<n>`` after every
     K-th step; ``resume`` (a checkpoint folder, or a folder of them: the newest) loads one before the first step,
-    saved by any checkpointing scheme on any number of ranks (:mod:`course_lib.checkpoint`), and trains the steps
-    left. The report's ``losses`` and ``reference_losses`` are then those of the steps that ran, from
+    saved by any checkpointing scheme on any number of ranks (:mod:`course_lib.runtime.checkpoint`), and trains the
+    steps left. The report's ``losses`` and ``reference_losses`` are then those of the steps that ran, from
     ``first_step``; the parameters are compared at the end, as always. ``checkpoint_async`` writes each checkpoint
-    in the background while training goes on (:class:`course_lib.checkpoint.Saver`); the report's
+    in the background while training goes on (:class:`course_lib.runtime.checkpoint.Saver`); the report's
     ``checkpoints["saves"]`` holds each rank's timings of its saves, on the run's clock."""
     ranks = LaunchSettings(backend, device, timeout, stall_timeout, max_ranks, in_process)
     faults = FaultSettings(fault, patch)
@@ -266,7 +268,8 @@ def wrap(
     in_process: bool,
 ) -> tuple[Callable, checkpoint.Plan | None]:
     """The scheme's rank function with what this run adds, innermost first: the swapped component, the checkpoint
-    plan (:func:`course_lib.checkpoint.planned`), the fault (:func:`course_lib.faults.injected`); and the plan."""
+    plan (:func:`course_lib.runtime.checkpoint.planned`), the fault (:func:`course_lib.runtime.faults.injected`);
+    and the plan."""
     rank_fn = functools.partial(_patched, spec.train, faults.patch) if faults.patch else spec.train
     plan = checkpoint.plan_for(
         spec.name,

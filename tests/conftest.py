@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from course_lib import harness, launch
+from course_lib import harness
+from course_lib.runtime import launch
 
 
 def process_alive(pid: int) -> bool:

@@ -8,13 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-from course_lib.comm import CommRecord
 from course_lib.harness import run_scheme
+from course_lib.ledgers.comm import CommRecord
 from course_lib.ledgers.memory import CATEGORIES
+from course_lib.ledgers.trace import Compute, Issue, Wait
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.tensor import async_tp_messages, collectives_per_step, sequence_parallel_grad_bytes
 from course_lib.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
-from course_lib.trace import Compute, Issue, Wait
 
 CFG = GPTConfig(frozen_pos=False)  # a trained position embedding: its gradient is summed over the shards too
 FLOAT64 = TrainConfig(steps=2, dtype="float64")

@@ -365,7 +365,7 @@ def test_planner_form_changes_its_layout_with_the_gpus_and_enables_the_parameter
 
 
 def test_flashcards_flip_and_next_change_the_card(lab, page):
-    from course_lib.flashcards import load_deck
+    from course_lib.practice.flashcards import load_deck
 
     deck = load_deck()
     lab.open(page, "09_practice.ipynb")

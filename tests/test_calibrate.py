@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from course_lib import calibrate
 from course_lib.cli import main
+from course_lib.cluster import calibrate
 from course_lib.cluster.profiles import get_profile, load_profile, measured_dir, save_profile
 from course_lib.model.config import GPTConfig, TrainConfig
 

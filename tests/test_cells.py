@@ -1,4 +1,4 @@
-"""Distributed cells (course_lib.cells) driven through a real IPython kernel, as a notebook drives them.
+"""Distributed cells (course_lib.runtime.cells) driven through a real IPython kernel, as a notebook drives them.
 
 One kernel and one pair of ranks serve the whole module; the last tests stop the ranks, then restart the kernel with
 ranks running.

@@ -12,15 +12,16 @@ import time
 import pytest
 import torch
 
-from course_lib import checkpoint, harness
+from course_lib import harness
 from course_lib.cli import main
-from course_lib.faults import Fault
 from course_lib.harness import run_scheme
-from course_lib.launch import RankError
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT
+from course_lib.model.gpt import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
+from course_lib.runtime import checkpoint
 from course_lib.runtime.checkpoint_state import Pieces
+from course_lib.runtime.faults import Fault
+from course_lib.runtime.launch import RankError
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, heads=2)
 TRAIN = TrainConfig(steps=4, dtype="float64")
@@ -114,7 +115,7 @@ def load_parameters_only(path, model, optimizer) -> int:
 def test_resume_without_optimizer_state_would_differ(uninterrupted, tmp_path):
     """The bitwise test can fail: without the optimizer's state the resumed run goes elsewhere."""
     run_scheme("zero2", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2)
-    patch = ("course_lib.checkpoint", "load", load_parameters_only)
+    patch = ("course_lib.runtime.checkpoint", "load", load_parameters_only)
     resumed = run_scheme("zero2", 2, CFG, TRAIN, resume=tmp_path / "step-2", patch=patch)
     full = uninterrupted("zero2").report
     assert resumed.report["losses"][0] == full["losses"][2]  # step 2's forward sees the right parameters
@@ -307,7 +308,7 @@ REAL_STATE = checkpoint._state_to_save
 
 def test_without_the_copy_an_asynchronous_checkpoint_would_hold_a_later_state(six_steps, tmp_path):
     """The test above can fail: written from the live tensors, the checkpoint of step 2 mixes in later steps."""
-    patch = ("course_lib.checkpoint", "_state_to_save", unstaged_state)
+    patch = ("course_lib.runtime.checkpoint", "_state_to_save", unstaged_state)
     saved_in_background("zero3", tmp_path, patch=patch)
     resumed = run_scheme("zero3", 2, CFG, SIX, resume=tmp_path / "step-2")
     assert resumed.report["losses"][0] != six_steps.report["losses"][2]

@@ -9,7 +9,7 @@ import pytest
 
 from course_lib.cli import main
 from course_lib.model.config import GPTConfig
-from course_lib.models import TinyGPT, count_params
+from course_lib.model.gpt import TinyGPT, count_params
 from course_lib.parallel.zero import bucket_sizes
 
 
@@ -325,7 +325,8 @@ def test_run_takes_the_model_sizes(capsys):
 
 def test_a_rank_failure_is_the_rank_error_alone(monkeypatch, capsys):
     """The CLI prints the RankError (which rank, why, its own traceback), not the launcher's stack above it."""
-    from course_lib import harness, launch
+    from course_lib import harness
+    from course_lib.runtime import launch
 
     def fails(*args, **kwargs):
         raise launch.RankError("rank 1 of 2 raised ValueError: broken on purpose")
@@ -346,7 +347,7 @@ def test_a_result_that_cannot_be_written_still_reaches_standard_output(capsys):
 
 def test_run_single_starts_no_process(monkeypatch, capsys):
     """One rank needs no launcher: it trains in this process, beside the reference, and matches it exactly."""
-    from course_lib import launch
+    from course_lib.runtime import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("run single started a rank process")

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch, trace
+from course_lib.ledgers import comm, trace
+from course_lib.runtime import launch
 
 ELEMS = 12  # divisible by 2 and 4, so every op splits evenly
 
@@ -63,7 +64,7 @@ def test_every_collective_computes_and_records_ring_bytes(n, through_host):
     """Also with every tensor sent through host copies (comm.THROUGH_HOST), the path CUDA tensors take over gloo:
     the same results, the same bytes, and every record saying so."""
     fn = (
-        launch.with_setting(every_collective, "course_lib.comm", "THROUGH_HOST", True)
+        launch.with_setting(every_collective, "course_lib.ledgers.comm", "THROUGH_HOST", True)
         if through_host
         else every_collective
     )

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import launch
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import get_profile
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
+from course_lib.ledgers.trace import Compute, Issue, Wait
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import tiny_gpt_activation_bytes
-from course_lib.models import causal_attention
+from course_lib.model.gpt import causal_attention
 from course_lib.parallel.context import ATTENTION, kv_block_bytes, local_positions, sequence_shard
-from course_lib.trace import Compute, Issue, Wait
+from course_lib.runtime import launch
 
 CFG = GPTConfig()
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 from toy_model import ToyModel, batches, make_optimizer, one_process  # tests/ is on sys.path
 
-from course_lib import launch
 from course_lib.parallel.data import DataParallel, batch_shard
+from course_lib.runtime import launch
 
 
 def data_parallel_run(optimizer: str, steps: int, ddp_kwargs: dict, accumulate: int = 1):

@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from course_lib.estimates import VERDICTS, grade, load, model_answers, read
-from course_lib.goodput import LLAMA3, checkpoint_bytes_per_rank, expected_goodput
 from course_lib.model.config import Layout
 from course_lib.model.formulas import memory_formula
+from course_lib.planner.goodput import LLAMA3, checkpoint_bytes_per_rank, expected_goodput
 from course_lib.planner.presets import make_model
+from course_lib.practice.estimates import VERDICTS, grade, load, model_answers, read
 
 RIGHT, CLOSE, WRONG = "right", "close", "wrong"
 SENT = 4096 * 8 * 7168 * 2 * 63 / 64  # DeepSeek-V3: tokens x top-8 x hidden x bf16, 63/64 leaving the rank

@@ -7,8 +7,8 @@ import string
 
 import pytest
 
-from course_lib.exercises import grade, load, model_answers
 from course_lib.practice.answers import parse
+from course_lib.practice.exercises import grade, load, model_answers
 
 RIGHT, ALSO = "right", "also right"
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import launch
 from course_lib.harness import reference_run, run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import MoE, TinyGPT, synthetic_tokens, within_capacity
+from course_lib.model.gpt import MoE, TinyGPT, synthetic_tokens, within_capacity
 from course_lib.parallel.expert import all_to_all_bytes, local_experts, shard_experts
+from course_lib.runtime import launch
 
 SMALL = GPTConfig(d_model=8, heads=1, ffn_mult=2, experts=2, capacity_factor=1.0)
 

@@ -13,12 +13,12 @@ from multiprocessing import forkserver as mp_forkserver
 import pytest
 from conftest import process_alive
 
-from course_lib import faults, launch
 from course_lib.cli import main
-from course_lib.faults import Fault
-from course_lib.forkserver import warm
 from course_lib.harness import run_scheme
 from course_lib.model.config import TrainConfig
+from course_lib.runtime import faults, launch
+from course_lib.runtime.faults import Fault
+from course_lib.runtime.forkserver import warm
 
 STALL_S = 2.0
 TRAIN = TrainConfig(steps=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.flashcards import (
+from course_lib.practice.flashcards import (
     ANKI_HEADER,
     DECK_PATH,
     FIELDS,

@@ -15,12 +15,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from course_lib import launch, trace
 from course_lib.harness import SCHEMES, run_scheme
+from course_lib.ledgers import trace
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import TrainConfig
 from course_lib.parallel import fsdp
 from course_lib.parallel.fsdp import FullyShardedDataParallel
+from course_lib.runtime import launch
 
 VOCAB, WIDTH, BATCH, STEPS, SEED = 20, 8, 24, 3, 1  # 24 rows split evenly over 2, 3 and 4 ranks x 2 micro-batches
 

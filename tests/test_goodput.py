@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from course_lib.cli import main
-from course_lib.goodput import (
+from course_lib.model.config import Layout
+from course_lib.planner.goodput import (
     LLAMA3,
     checkpoint_bytes_per_rank,
     checkpoint_seconds,
@@ -21,7 +22,6 @@ from course_lib.goodput import (
     simulate_goodput,
     young_interval,
 )
-from course_lib.model.config import Layout
 from course_lib.planner.reasons import published_candidate
 from course_lib.planner.search import plan
 

@@ -2,14 +2,14 @@
 
 import pytest
 
-from course_lib import launch
 from course_lib.cluster.clock import collective_time, replay
 from course_lib.cluster.profiles import PROFILES
-from course_lib.comm import CommRecord
+from course_lib.ledgers.comm import CommRecord
+from course_lib.ledgers.trace import Compute, Issue, Wait
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, synthetic_tokens
+from course_lib.model.gpt import TinyGPT, synthetic_tokens
 from course_lib.parallel.data import train_data_parallel
-from course_lib.trace import Compute, Issue, Wait
+from course_lib.runtime import launch
 
 H100 = PROFILES["h100"]
 RATE = H100.peak_flops["bf16"] * 0.5  # replay's default efficiency
@@ -108,7 +108,7 @@ def test_bad_settings_are_named():
 
 def forward_flops(cfg):
     """Count one forward's matrix-product FLOPs on this rank (the FLOP counter is on via count_flops)."""
-    from course_lib import trace
+    from course_lib.ledgers import trace
 
     model = TinyGPT(cfg)
     tokens, targets = synthetic_tokens(0, 2, cfg)

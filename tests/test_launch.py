@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from conftest import needs_cuda, process_alive, read_pids, write_pid
 
-from course_lib import comm, launch
+from course_lib.ledgers import comm
+from course_lib.runtime import launch
 
 
 def rank_info(offset, scale=1):
@@ -239,7 +240,8 @@ def test_back_to_back_launches_never_stall_and_leave_no_store_behind(tmp_path, m
 
 
 SCRIPT = """
-from course_lib import launch, comm
+from course_lib.runtime import launch
+from course_lib.ledgers import comm
 import torch, torch.distributed as dist
 
 def hello():
@@ -266,7 +268,7 @@ def test_a_script_without_a_main_guard_launches_ranks(tmp_path, how):
 
 PARENT = """
 import os, sys, time
-from course_lib import launch
+from course_lib.runtime import launch
 
 def sleeper(folder):
     import torch.distributed as dist
@@ -316,7 +318,7 @@ def test_a_launch_removes_the_store_files_of_dead_launchers(tmp_path, monkeypatc
 
 RESTARTS = """
 import os, sys, torch, torch.distributed as dist
-from course_lib import launch
+from course_lib.runtime import launch
 
 def fails_once():
     t = torch.ones(1)

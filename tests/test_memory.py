@@ -13,7 +13,7 @@ from course_lib.model.formulas import (
     params_from_dims,
     tiny_gpt_activation_bytes,
 )
-from course_lib.models import TinyGPT, count_params, make_optimizer, synthetic_tokens
+from course_lib.model.gpt import TinyGPT, count_params, make_optimizer, synthetic_tokens
 
 
 def test_sixteen_bytes_per_parameter():

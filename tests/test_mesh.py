@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch
-from course_lib.mesh import (
+from course_lib.ledgers import comm
+from course_lib.parallel.mesh import (
     axis_groups,
     build_mesh,
     check_sizes,
@@ -16,6 +16,7 @@ from course_lib.mesh import (
     rank_of,
     to_device_mesh,
 )
+from course_lib.runtime import launch
 
 SIZES = {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
 GRID_4D = {"dp": 2, "pp": 1, "cp": 2, "tp": 2}

@@ -7,13 +7,15 @@ import math
 import pytest
 import torch
 
-from course_lib import comm, launch, precision
 from course_lib.harness import SCHEMES, run_scheme
+from course_lib.ledgers import comm
 from course_lib.ledgers.memory import CATEGORIES
+from course_lib.model import precision
 from course_lib.model.config import PRECISIONS, GPTConfig, TrainConfig
 from course_lib.model.formulas import model_state_formula
-from course_lib.models import TinyGPT, build_model, count_params, synthetic_tokens, train_reference
-from course_lib.precision import DP_TOLERANCE, LOSS_TOLERANCE, LossScaler, MixedPrecisionOptimizer
+from course_lib.model.gpt import TinyGPT, build_model, count_params, synthetic_tokens, train_reference
+from course_lib.model.precision import DP_TOLERANCE, LOSS_TOLERANCE, LossScaler, MixedPrecisionOptimizer
+from course_lib.runtime import launch
 
 # Every parameter trains (no frozen position table), so bytes per parameter need no correction for frozen ones.
 CFG = GPTConfig(frozen_pos=False)
@@ -188,7 +190,7 @@ def test_the_optimizer_takes_16_bit_parameters_only():
 
 LOUD_FILE = """
 from course_lib.model.config import GPTConfig
-from course_lib.models import TinyGPT
+from course_lib.model.gpt import TinyGPT
 
 
 class Loud(TinyGPT):

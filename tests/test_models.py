@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, max_param_diff, synthetic_tokens, train_reference
+from course_lib.model.gpt import TinyGPT, max_param_diff, synthetic_tokens, train_reference
 
 
 def test_same_seed_same_model_other_seed_other_model():

@@ -8,8 +8,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-from course_lib.network_pictures import GPU_FACE, HIGHLIGHTS, draw_topology  # noqa: E402
-from course_lib.topology import from_spec  # noqa: E402
+from course_lib.cluster.topology import from_spec  # noqa: E402
+from course_lib.ui.network_pictures import GPU_FACE, HIGHLIGHTS, draw_topology  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm
-from course_lib.own_training import check_training
+from course_lib.ledgers import comm
 from course_lib.parallel.data import DataParallel, batch_shard
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 from course_lib.parallel.zero import ZeroRedundancyOptimizer
+from course_lib.practice.own_training import check_training
 
 
 class Bigram(nn.Module):

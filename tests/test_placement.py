@@ -2,8 +2,8 @@
 
 import pytest
 
-from course_lib import collectives, placement, topology
-from course_lib.mesh import axis_groups, check_sizes, coords_of
+from course_lib.cluster import collectives, placement, topology
+from course_lib.parallel.mesh import axis_groups, check_sizes, coords_of
 
 SUPERPOD = topology.h100_superpod(nodes=4)  # 4 NVLink domains of 8
 CUBE = topology.tpu_v5p((4, 4, 4))

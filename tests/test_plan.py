@@ -182,7 +182,7 @@ def test_plan_command_json_and_text(capsys):
 
 
 def test_planner_form_redraws(capsys):
-    from course_lib.widgets import planner_form
+    from course_lib.ui.widgets import planner_form
 
     form = planner_form("gpt3-175b", gpus=1536)
     controls = {w.description: w for w in form.children if hasattr(w, "description")}

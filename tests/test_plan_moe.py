@@ -7,9 +7,9 @@ import json
 import pytest
 
 from course_lib.cli import main
+from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import get_profile
 from course_lib.model.formulas import activation_bytes_per_layer, model_state_formula
-from course_lib.network import Network
 from course_lib.planner.cost import cp_comm_exposed, ep_comm
 from course_lib.planner.layouts import Candidate, describe, splits_layers
 from course_lib.planner.presets import PRESETS

@@ -7,14 +7,14 @@ neighbouring chips)."""
 import pytest
 
 from course_lib.cli import main
+from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import PROFILES
-from course_lib.mesh import axis_groups
+from course_lib.cluster.topology import for_gpus, gb200_nvl72
 from course_lib.model.config import Layout
-from course_lib.network import Network
+from course_lib.parallel.mesh import axis_groups
 from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.layouts import groups
 from course_lib.planner.search import plan
-from course_lib.topology import for_gpus, gb200_nvl72
 
 WIRINGS = ("h100-superpod", "gb200-nvl72", "tpu-v5p")
 

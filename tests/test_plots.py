@@ -8,17 +8,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-from course_lib.comm import CommRecord  # noqa: E402
 from course_lib.harness import run_scheme  # noqa: E402
+from course_lib.ledgers.comm import CommRecord  # noqa: E402
+from course_lib.ledgers.trace import Event  # noqa: E402
 from course_lib.model.config import TrainConfig  # noqa: E402
-from course_lib.plots import (  # noqa: E402
-    KIND_COLORS,
-    byte_unit,
-    plot_comm,
-    plot_memory,
-    plot_timeline,
-)
-from course_lib.trace import Event  # noqa: E402
+from course_lib.ui.plots import KIND_COLORS, byte_unit, plot_comm, plot_memory, plot_timeline
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +76,7 @@ def test_the_one_rank_memory_figure_fits_its_canvas():
 
 
 def test_every_figure_of_a_run_fits_its_canvas(dp_run, grid_run):
-    from course_lib.plots import run_figures
+    from course_lib.ui.plots import run_figures
 
     for run in (dp_run, grid_run):
         for name, fig in run_figures(run).items():
@@ -94,7 +88,7 @@ def test_the_memory_peak_says_what_it_holds_beyond_the_bars(dp_run):
     peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
     assert "temporaries" in peak and "gradients on their way back" in peak and "ZeRO-3" in peak
 
-    from course_lib.plots import run_figures
+    from course_lib.ui.plots import run_figures
 
     ax = run_figures(dp_run)["dp_n2_memory.png"].axes[0]
     peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
@@ -120,7 +114,7 @@ def test_the_comm_legend_sits_beside_the_bars_and_zero_byte_calls_are_named_not_
 
 
 def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run):
-    from course_lib.plots import run_figures
+    from course_lib.ui.plots import run_figures
 
     ax = run_figures(grid_run)["3d_n8_comm.png"].axes[0]
     axes = legend_labels(ax)
@@ -163,7 +157,7 @@ def test_one_rank_without_collectives_gets_one_lane_and_no_idle():
 
 
 def test_both_clocks_side_by_side_use_their_own_units(dp_run):
-    from course_lib.plots import plot_clocks
+    from course_lib.ui.plots import plot_clocks
 
     wall, modeled = plot_clocks(dp_run.result.events, dp_run.modeled, metered_step=1).axes
     assert wall.get_xlabel() == "wall clock: time (ms) from the first event shown"
@@ -186,7 +180,7 @@ def test_the_modeled_clock_says_when_compute_is_too_thin_to_see(dp_run):
 
 
 def test_zero_memory_figure_shows_the_papers_four_totals():
-    from course_lib.plots import plot_zero_memory
+    from course_lib.ui.plots import plot_zero_memory
 
     ax = plot_zero_memory(7.5e9, 64).axes[0]
     assert [t.get_text() for t in ax.texts] == ["120.0", "31.4", "16.6", "1.9"]
@@ -194,7 +188,7 @@ def test_zero_memory_figure_shows_the_papers_four_totals():
 
 
 def test_zero_memory_explorer_redraws_for_its_sliders():
-    from course_lib.widgets import zero_memory_explorer
+    from course_lib.ui.widgets import zero_memory_explorer
 
     explorer = zero_memory_explorer(params=7.5e9, dp=64)
     sliders = {w.description: w for w in explorer.children if hasattr(w, "description")}
@@ -204,7 +198,7 @@ def test_zero_memory_explorer_redraws_for_its_sliders():
 
 
 def test_schedule_explorer_redraws_with_its_bubble(capsys):
-    from course_lib.widgets import schedule_explorer
+    from course_lib.ui.widgets import schedule_explorer
 
     explorer = schedule_explorer("gpipe", stages=4, microbatches=8)
     controls = {w.description: w for w in explorer.children if hasattr(w, "description")}
@@ -217,7 +211,7 @@ def test_schedule_explorer_redraws_with_its_bubble(capsys):
 
 
 def test_the_checkpoint_timeline_draws_each_stall_and_write_and_sums_the_stalls(tmp_path):
-    from course_lib.plots import plot_checkpoint_timeline
+    from course_lib.ui.plots import plot_checkpoint_timeline
 
     runs = {
         label: run_scheme(

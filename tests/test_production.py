@@ -10,14 +10,12 @@ import functools
 import pytest
 import torch
 
-from course_lib import launch
 from course_lib.harness import run_scheme
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TrainResult, rel_param_diff, train_reference
+from course_lib.model.gpt import TrainResult, rel_param_diff, train_reference
 from course_lib.parallel.context import local_positions
 from course_lib.parallel.pipeline import train_pipeline
-from course_lib.parallel.tensor import train_tensor_parallel
-from course_lib.production import (
+from course_lib.parallel.production import (
     TORCH_ALL_TO_ALL,
     torch_head_tail_positions,
     train_ddp,
@@ -26,6 +24,8 @@ from course_lib.production import (
     train_torch_context_parallel,
     train_torch_pipelining,
 )
+from course_lib.parallel.tensor import train_tensor_parallel
+from course_lib.runtime import launch
 
 TRAIN = TrainConfig(steps=3)
 # (PyTorch's rank function, its options, our scheme that does the same, that scheme's options)

@@ -9,7 +9,7 @@ import pytest
 
 from course_lib.cluster.profiles import ATTENTION_EFFICIENCY, MATMUL_EFFICIENCY, PROFILES
 from course_lib.model.formulas import params_from_dims
-from course_lib.published import LLAMA3_2024, NARAYANAN_2021, ROWS, estimate, narayanan_flops
+from course_lib.planner.published import LLAMA3_2024, NARAYANAN_2021, ROWS, estimate, narayanan_flops
 
 TOLERANCE = 0.15
 

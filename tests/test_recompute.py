@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import trace
 from course_lib.cluster.profiles import get_profile
 from course_lib.harness import run_scheme
+from course_lib.ledgers import trace
 from course_lib.ledgers.memory import MemoryMeter
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import activation_bytes_per_layer, tiny_gpt_activation_bytes
-from course_lib.models import TinyGPT, synthetic_tokens
-from course_lib.recompute import apply, extra_flops_per_layer
+from course_lib.model.gpt import TinyGPT, synthetic_tokens
+from course_lib.model.recompute import apply, extra_flops_per_layer
 
 CASES = [
     ("dp", 2, {}),

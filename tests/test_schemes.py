@@ -7,7 +7,7 @@ from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import model_state_formula
-from course_lib.models import TinyGPT, count_params
+from course_lib.model.gpt import TinyGPT, count_params
 from course_lib.parallel.fsdp import unit_sizes
 from course_lib.parallel.zero import bucket_sizes
 

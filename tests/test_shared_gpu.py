@@ -1,16 +1,16 @@
 """Several gloo ranks on one device: gloo moves host memory only, so a collective on CUDA tensors goes through host
-copies (course_lib.comm). The schemes then still equal one device, and every collective says it went through host
-memory. On the CPU the path is forced (comm.THROUGH_HOST); with a GPU, the ranks share it (device="cuda")."""
+copies (course_lib.ledgers.comm). The schemes then still equal one device, and every collective says it went through
+host memory. On the CPU the path is forced (comm.THROUGH_HOST); with a GPU, the ranks share it (device="cuda")."""
 
 import pytest
 import torch
 
-from course_lib import launch
 from course_lib.harness import run_scheme
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.runtime import launch
 
 WAYS = {
-    "cpu-through-host": {"patch": ("course_lib.comm", "THROUGH_HOST", True)},
+    "cpu-through-host": {"patch": ("course_lib.ledgers.comm", "THROUGH_HOST", True)},
     "ranks-sharing-a-gpu": {"device": "cuda", "backend": "gloo"},
 }
 NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""`make html` (course_lib.site): tiny lessons executed for real, checked, and written as pages that stand alone."""
+"""`make html` (course_lib.ui.site): tiny lessons executed for real, checked, and written as pages that stand alone."""
 
 import base64
 import re
@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_lib import site
+from course_lib.ui import site
 
 PLOT = [
     new_code_cell(

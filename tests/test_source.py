@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 from course_lib.parallel import data, tensor
-from course_lib.source import Code, show_code
+from course_lib.ui.source import Code, show_code
 
 
 def test_shows_the_current_source_under_its_file_and_lines():

@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import launch
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES, MemoryMeter
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import tiny_gpt_activation_bytes
-from course_lib.models import Block, TinyGPT, synthetic_tokens
+from course_lib.model.gpt import Block, TinyGPT, synthetic_tokens
 from course_lib.parallel.tensor import (
     TensorParallelGPT,
     TensorParallelStrategy,
@@ -21,6 +20,7 @@ from course_lib.parallel.tensor import (
 )
 from course_lib.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from course_lib.parallel.tensor_mappings import gather_sequence
+from course_lib.runtime import launch
 
 CFG = GPTConfig()
 

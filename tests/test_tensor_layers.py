@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as torch_tp
 
-from course_lib import comm, launch
-from course_lib.models import rel_param_diff
+from course_lib.ledgers import comm
+from course_lib.model.gpt import rel_param_diff
 from course_lib.parallel.data import broadcast_from_first
 from course_lib.parallel.tensor_layers import (
     ColumnParallelLinear,
@@ -26,6 +26,7 @@ from course_lib.parallel.tensor_layers import (
     parallelize_module,
 )
 from course_lib.parallel.tensor_mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from course_lib.runtime import launch
 
 D, HEADS, HIDDEN, BLOCKS, BATCH, SEQ, STEPS = 16, 4, 32, 2, 3, 8, 3
 RTOL = {"float64": 1e-10, "float32": 1e-5}  # float64 elementwise, float32 whole-model: rel_diff
@@ -111,7 +112,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, i: int, dtype: torch.dtyp
 def rel_diff(mine: dict[str, torch.Tensor], want: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
     """float64: the largest elementwise |mine - want| / |want| (what allclose's rtol bounds); float32: the relative
     difference of the whole model, ||mine - want|| / ||want||, since AdamW turns the rounding noise of a gradient near
-    its eps into visible steps of single weights (see ``course_lib.models.rel_param_diff``)."""
+    its eps into visible steps of single weights (see ``course_lib.model.gpt.rel_param_diff``)."""
     want = {k: p.detach() for k, p in want.items()}
     if dtype == torch.float32:
         return rel_param_diff(mine, want)

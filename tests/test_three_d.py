@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from course_lib import launch
 from course_lib.cluster.clock import replay
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, within_capacity
+from course_lib.model.gpt import TinyGPT, within_capacity
 from course_lib.parallel.three_d import predict_axis_traffic
+from course_lib.runtime import launch
 
 CFG = GPTConfig(layers=4)
 GRIDS = [

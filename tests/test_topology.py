@@ -3,10 +3,10 @@ profiles' sources, and bad input."""
 
 import pytest
 
-from course_lib import collectives, linksim, topology
+from course_lib.cluster import collectives, linksim, topology
 from course_lib.cluster.clock import collective_time, link
 from course_lib.cluster.profiles import PROFILES as HARDWARE
-from course_lib.topology import FatTree, Torus
+from course_lib.cluster.topology import FatTree, Torus
 
 SIZES = (1e3, 1e6, 1e9)  # latency-bound to bandwidth-bound
 # The formulas assume what the simulation checks: no two messages of a step share a link where the formula says

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import collectives, placement, topology
+from course_lib.cluster import collectives, placement, topology
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import PROFILES
-from course_lib.comm import CommRecord
 from course_lib.harness import run_scheme
+from course_lib.ledgers.comm import CommRecord
+from course_lib.ledgers.trace import Issue, Wait
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.trace import Issue, Wait
 
 H100 = PROFILES["h100"]
 SUPERPOD = topology.h100_superpod(nodes=4)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from course_lib import trace
+from course_lib.ledgers import trace
 
 
 def test_spans_carry_tags_and_nest():

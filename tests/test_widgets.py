@@ -9,13 +9,7 @@ import pytest  # noqa: E402
 
 from course_lib.parallel.schedule_sim import simulate  # noqa: E402
 from course_lib.parallel.schedules import SCHEDULES, Costs, generate  # noqa: E402
-from course_lib.widgets import (  # noqa: E402
-    billions_slider,
-    planner_form,
-    schedule_explorer,
-    zero_memory_explorer,
-    zero_totals,
-)
+from course_lib.ui.widgets import billions_slider, planner_form, schedule_explorer, zero_memory_explorer, zero_totals
 
 FIGURE_ONE = ["120.0", "31.4", "16.6", "1.9"]  # the ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, mixed precision
 STAGES = ["DP (baseline)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]

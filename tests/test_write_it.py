@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch, write_it
-from course_lib import write_it_check as wc
-from course_lib.practice import check_dispatch, check_merge, check_ring, check_schedule
+from course_lib.ledgers import comm
+from course_lib.practice import check_dispatch, check_merge, check_ring, check_schedule, write_it
+from course_lib.practice import write_it_check as wc
+from course_lib.runtime import launch
 
 ANSWERS = wc.model_answers()
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from toy_model import ToyModel, batches, halve_lr_every_step, one_process  # tests/ is on sys.path
 
-from course_lib import launch
 from course_lib.parallel.data import DataParallel, batch_shard
 from course_lib.parallel.zero import ZeroRedundancyOptimizer
+from course_lib.runtime import launch
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from course_lib import comm, launch
-from course_lib.comm import ring_factor
+from course_lib.ledgers import comm
+from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, count_params, final_params, make_optimizer
+from course_lib.model.gpt import TinyGPT, count_params, final_params, make_optimizer
 from course_lib.parallel import data
 from course_lib.parallel.interface import Scheme
+from course_lib.runtime import launch
 
 
 class GatherGradients(data.DataParallelStrategy):

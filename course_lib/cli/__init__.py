@@ -17,7 +17,7 @@ import sys
 
 from course_lib.cli import calibrate, demo, goodput, hardware, memory, plan, run, schedule
 from course_lib.cli.common import check_outputs, is_lead
-from course_lib.launch import RankError
+from course_lib.runtime.launch import RankError
 
 COMMANDS = (memory, run, demo, schedule, hardware, calibrate, plan, goodput)  # in the order --help lists them
 

@@ -13,7 +13,7 @@ from course_lib.cli.common import add_json_flag, say, write_json
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from course_lib import calibrate
+    from course_lib.cluster import calibrate
     from course_lib.cluster.profiles import save_profile
 
     try:

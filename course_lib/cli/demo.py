@@ -12,8 +12,8 @@ from course_lib.ledgers.memory import CATEGORIES
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from course_lib import launch
     from course_lib.harness import SCHEMES, run_scheme, validate
+    from course_lib.runtime import launch
 
     train = train_config(args)
     sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}

@@ -12,7 +12,7 @@ from course_lib.cli.common import add_json_flag, nonnegative_float, positive_flo
 def cmd_goodput(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from course_lib.goodput import LLAMA3, choose_interval
+    from course_lib.planner.goodput import LLAMA3, choose_interval
 
     mtbf_gpu_h = args.mtbf_gpu_hours or LLAMA3.mtbf_gpu_hours()
     try:

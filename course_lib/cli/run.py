@@ -21,10 +21,10 @@ from course_lib.cli.common import (
     write_json,
 )
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
-from course_lib.faults import KINDS, PHASES, Fault
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import HALF_TYPES, MIXED_PRECISIONS, GPTConfig, TrainConfig
-from course_lib.models import within_capacity
+from course_lib.model.gpt import within_capacity
+from course_lib.runtime.faults import KINDS, PHASES, Fault
 
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun
@@ -102,7 +102,7 @@ def _scheme_settings(args, spec) -> tuple[dict, int | None]:
 def _world_size(args, spec, settings: dict, axis_size: int | None) -> int:
     """The number of ranks: fixed by a grid's axes (or 1 without axes), else ``--world-size`` or the scheme's axis
     flag, else torchrun's world, else 4."""
-    from course_lib import launch
+    from course_lib.runtime import launch
 
     grid = spec.grid_size(settings)
     if len(spec.axes) > 1:
@@ -191,7 +191,7 @@ def _fault(args) -> Fault | None:
     if len(given) < 2:
         got = " ".join(given) or "neither"
         raise SystemExit(f"run {args.scheme}: a fault needs both --kill-rank R and --at-step K (given: {got})")
-    from course_lib.forkserver import torchrun_restart
+    from course_lib.runtime.forkserver import torchrun_restart
 
     fault = Fault(args.kill_rank, args.at_step, args.fault or "kill", args.fault_phase or "forward")
     restart = torchrun_restart()
@@ -204,7 +204,7 @@ def _fault(args) -> Fault | None:
 def _resume(args) -> str | None:
     """The checkpoint to resume from: ``--resume D``, or with ``--auto-resume`` the newest in ``--checkpoint-dir``
     (None when it holds none yet: the job's first start)."""
-    from course_lib import checkpoint
+    from course_lib.runtime import checkpoint
 
     if not args.auto_resume:
         return args.resume
@@ -253,7 +253,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _checked_world_size(args, spec, settings: dict, options: dict, axis_size: int | None) -> int:
     """The number of ranks (:func:`_world_size`), refused with how a grid's size factors if this machine cannot hold
     that many."""
-    from course_lib import launch
+    from course_lib.runtime import launch
 
     world_size = _world_size(args, spec, settings, axis_size)
     try:
@@ -268,8 +268,8 @@ def _train(
 ) -> tuple[SchemeRun, GPTConfig, TrainConfig]:
     """The model and training settings, and the scheme's run with them (:func:`course_lib.harness.run_scheme`); a
     setting the scheme refuses ends the command with its message."""
-    from course_lib import launch
     from course_lib.harness import run_scheme
+    from course_lib.runtime import launch
 
     try:
         layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
@@ -323,7 +323,7 @@ def _say_what_ran(args, report: dict, cfg: GPTConfig, train: TrainConfig, world_
 def _say_checkpoints(args, report: dict) -> None:
     """The checkpoint the run resumed from, and the ones it wrote: how often, where, and how long training stood
     still for them."""
-    from course_lib import checkpoint
+    from course_lib.runtime import checkpoint
 
     if "resumed_from" in report:
         r = report["resumed_from"]
@@ -437,7 +437,9 @@ def _add_mixed_precision_flags(run: argparse.ArgumentParser, schemes: dict) -> N
         help="16-bit weights, fp32 optimizer state: mixed 16 bytes per parameter (fp32 master weights and moments), "
         "megatron 18 (also fp32 main gradients), no-master 12 (no master copy); default: --dtype throughout",
     )
-    mixed.add_argument("--half", choices=list(HALF_TYPES), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)")
+    mixed.add_argument(
+        "--half", choices=list(HALF_TYPES), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)"
+    )
     mixed.add_argument(
         "--loss-scale",
         type=_loss_scale,

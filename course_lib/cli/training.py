@@ -1,5 +1,6 @@
 """The tiny GPT and its training as the command line gives them, shared by ``run`` and ``demo``: the flags, and the
-:class:`~course_lib.model.config.GPTConfig`, :class:`~course_lib.model.config.TrainConfig` and launcher limits they make."""
+:class:`~course_lib.model.config.GPTConfig`, :class:`~course_lib.model.config.TrainConfig` and launcher limits they
+make."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The modeled clock: replay what the ranks really did on a modeled GPU cluster.
 
-Every rank's program (:mod:`course_lib.trace`: compute segments with their counted FLOPs, and the collectives it
+Every rank's program (:mod:`course_lib.ledgers.trace`: compute segments with their counted FLOPs, and the collectives it
 issued and waited for, in order) is replayed by a small discrete-event simulation:
 
 * compute takes FLOPs / (peak x ``efficiency``) on the rank's own clock;
@@ -11,8 +11,8 @@ issued and waited for, in order) is replayed by a small discrete-event simulatio
   an all-to-all (expert parallelism's dispatch and combine) takes the bytes its busiest member sends to its n-1
   peers over that link, plus n-1 latencies (:func:`collective_time`);
 * a point-to-point message starts when both the send and the receive are posted;
-* with a ``topology`` (:mod:`course_lib.topology`), each collective and message is instead timed by
-  :func:`course_lib.collectives.choose` on it: the group's ranks mapped to GPUs (in order, or by ``gpus``), the
+* with a ``topology`` (:mod:`course_lib.cluster.topology`), each collective and message is instead timed by
+  :func:`course_lib.cluster.collectives.choose` on it: the group's ranks mapped to GPUs (in order, or by ``gpus``), the
   algorithm the fastest for its size, as NCCL picks, or a forced one (:func:`time_on_topology`). The topology
   supplies the links only; compute still runs at the hardware profile's peak;
 * a rank that waits for a collective blocks until it is done; an async collective overlaps the compute issued
@@ -31,11 +31,11 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from course_lib import collectives
+from course_lib.cluster import collectives
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.comm import CommRecord
-from course_lib.topology import FatTree, Topology, Torus, Where, from_spec
-from course_lib.trace import Compute, Event, Issue, Wait
+from course_lib.cluster.topology import FatTree, Topology, Torus, Where, from_spec
+from course_lib.ledgers.comm import CommRecord
+from course_lib.ledgers.trace import Compute, Event, Issue, Wait
 
 
 def ring_latency_steps(op: str, n: int) -> int:
@@ -59,7 +59,7 @@ def link(profile: HardwareProfile, ranks, gpus_per_node: int) -> tuple[float, fl
 def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latency: float) -> float:
     """The bytes one rank sends over the link's bandwidth, plus one latency per step (:func:`ring_latency_steps`).
 
-    For a ring collective the bytes are the ring's (:func:`course_lib.comm.ring_factor`). For an all-to-all they
+    For a ring collective the bytes are the ring's (:func:`course_lib.ledgers.comm.ring_factor`). For an all-to-all they
     are what the rank sends to its n-1 peers (uneven under routing: the ledger records each rank's own rows sent to
     others, and :func:`replay` times the group by its busiest sender); the group's slowest link bounds it, so an
     all-to-all whose group spans nodes runs at the inter-node bandwidth (GShard, Lepikhin et al. 2021, §3.2;
@@ -70,7 +70,7 @@ def collective_time(op: str, sent_bytes: float, n: int, bandwidth: float, latenc
 @dataclass(frozen=True)
 class Timed:
     """How the clock timed one collective on a topology: its kind, its group as GPUs, the buffer one rank holds
-    (``nbytes``, as :mod:`course_lib.collectives` means it), the algorithm, its time, the slowest link any two
+    (``nbytes``, as :mod:`course_lib.cluster.collectives` means it), the algorithm, its time, the slowest link any two
     members' route crosses (bytes/s) and why the algorithm was used."""
 
     op: str
@@ -174,9 +174,9 @@ def replay(
 ) -> ModeledRun:
     """Replay the ranks' programs on ``hardware``; report ``step`` (-1: the last; None: the whole run).
 
-    With ``topology`` (a :class:`course_lib.topology.Topology` or a profile such as ``"h100-superpod:4"``, see
-    :func:`course_lib.topology.from_spec`), rank r runs on GPU ``gpus[r]`` (default: GPU r) and every collective is
-    timed on the topology (:func:`time_on_topology`), with ``algorithm`` forced where it can run; the nodes are the
+    With ``topology`` (a :class:`course_lib.cluster.topology.Topology` or a profile such as ``"h100-superpod:4"``, see
+    :func:`course_lib.cluster.topology.from_spec`), rank r runs on GPU ``gpus[r]`` (default: GPU r) and every collective
+    is timed on the topology (:func:`time_on_topology`), with ``algorithm`` forced where it can run; the nodes are the
     topology's, so ``gpus_per_node`` is not given. Compute still runs at the profile's peak."""
     profile = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware)
     if not 0 < efficiency <= 1:
@@ -291,7 +291,7 @@ def _simulate(
 
 def _placement(topology: Topology, placed: list[int], records: list[list[CommRecord]], members: dict) -> dict:
     """For each named group (an axis: tp, pp, dp, ...), where its worst-placed group sits on the topology: the
-    one with the slowest link, then the most hops (:meth:`course_lib.topology.Topology.where`)."""
+    one with the slowest link, then the most hops (:meth:`course_lib.cluster.topology.Topology.where`)."""
     out: dict[str, Where] = {}
     seen: dict[tuple, Where] = {}
     for key, where in members.items():
@@ -338,7 +338,7 @@ def resolve_topology(
 
 
 def choose_args(recs: list[CommRecord]) -> tuple[str, float]:
-    """A collective's records as :func:`course_lib.collectives.choose` takes it: its op and the buffer one rank
+    """A collective's records as :func:`course_lib.cluster.collectives.choose` takes it: its op and the buffer one rank
     holds. The ledger's tensor bytes are that buffer for an all-reduce, a reduce-scatter (its input), an
     all-gather (its output), a broadcast and a message; an all-to-all is timed by its busiest sender, as the
     buffer of n equal shares that sends as many bytes to the others; a barrier is an all-reduce of nothing."""
@@ -355,8 +355,9 @@ def choose_args(recs: list[CommRecord]) -> tuple[str, float]:
 def time_on_topology(
     topology: Topology, op: str, group: Sequence[int], nbytes: float, algorithm: str | None = None
 ) -> Timed:
-    """One collective on a topology's GPUs ``group``, timed by :func:`course_lib.collectives.choose`: ``algorithm``
-    where it can run this op on this group, otherwise the fastest that can (its ``why`` then does not say forced)."""
+    """One collective on a topology's GPUs ``group``, timed by :func:`course_lib.cluster.collectives.choose`:
+    ``algorithm`` where it can run this op on this group, otherwise the fastest that can (its ``why`` then does not say
+    forced)."""
     choice = None
     if algorithm in collectives.ALGORITHMS.get(op, ()):
         try:
@@ -386,7 +387,7 @@ def _time_all(
     if algorithm is not None and timed and all(t.algorithm != algorithm for t in timed.values()):
         raise ValueError(
             f"the {algorithm} algorithm can run none of this run's collectives on {topology.name} (see "
-            "course_lib.collectives.ALGORITHMS: hierarchical needs groups over several NVLink domains, torus a "
+            "course_lib.cluster.collectives.ALGORITHMS: hierarchical needs groups over several NVLink domains, torus a "
             "torus); choose another, or none"
         )
     return timed

@@ -5,12 +5,12 @@ a node, and the two links of the modeled clock (:mod:`course_lib.cluster.clock`)
 inter-node network across nodes, each as bandwidth per GPU and direction and a latency. The published profiles
 (:data:`PROFILES`: DGX H100, the H800 of DeepSeek-V3's cluster, DGX A100, an L40S PCIe box) cite their datasheets.
 
-Each profile also states what the planner's step-time model (:func:`course_lib.planner.cost.step_time`) assumes of the GPU
-beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
+Each profile also states what the planner's step-time model (:func:`course_lib.planner.cost.step_time`) assumes of the
+GPU beyond its datasheet, one number per GPU generation with its source: the fraction of peak its matrix multiplies
 and a fused attention kernel sustain in training (``MATMUL_EFFICIENCY``, ``ATTENTION_EFFICIENCY``) and its memory
 bandwidth; what overlaps with what is written once in ``TIME_MODEL_ASSUMPTIONS``.
 
-Beside the published profiles, a profile measured on a device by :mod:`course_lib.calibrate` is saved as JSON
+Beside the published profiles, a profile measured on a device by :mod:`course_lib.cluster.calibrate` is saved as JSON
 (:func:`save_profile`) in :func:`measured_dir` and found by :func:`get_profile` by its name, like the published.
 """
 
@@ -42,8 +42,9 @@ class HardwareProfile:
     sources: tuple[str, ...] = field(default=())
 
 
-# What the planner's step-time model (course_lib.planner.cost.step_time) assumes of a GPU beside its datasheet, one number per
-# GPU generation for every layout and model, none fitted to a published row (course_lib.published holds the check).
+# What the planner's step-time model (course_lib.planner.cost.step_time) assumes of a GPU beside its datasheet, one
+# number per GPU generation for every layout and model, none fitted to a published row (course_lib.planner.published
+# holds the check).
 #
 # matmul_efficiency: the fraction of the dense peak a training step's matrix multiplies sustain. A100: 0.63, what the
 # model needs to give Narayanan et al. 2021's Table 2 row for GPT-3 175B on 384 A100s (153 TFLOP/s per GPU, batch
@@ -162,7 +163,7 @@ PROFILES_DIR_VARIABLE = "COURSE_LIB_PROFILES"
 
 
 def measured_dir() -> Path:
-    """Where measured profiles (:mod:`course_lib.calibrate`) are kept: ``$COURSE_LIB_PROFILES``, else
+    """Where measured profiles (:mod:`course_lib.cluster.calibrate`) are kept: ``$COURSE_LIB_PROFILES``, else
     ``~/.course_lib/profiles``."""
     return Path(os.environ.get(PROFILES_DIR_VARIABLE) or Path.home() / ".course_lib" / "profiles")
 

@@ -46,15 +46,16 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
-from course_lib.models import TinyGPT, count_params, final_params, make_optimizer
+from course_lib.model.gpt import TinyGPT, count_params, final_params, make_optimizer
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.tensor import TensorParallelGPT
 from course_lib.parallel.tensor_mappings import all_gather_along, ring_peer
+from course_lib.runtime import launch
 
 
 def chunks_of(rank: int, n: int) -> tuple[int, int]:
@@ -231,7 +232,7 @@ ATTENTION = {"ring": ring_attention, "all-gather": all_gather_attention}
 
 
 class GlobalPositions:
-    """For a model of the tiny GPT's family (:class:`course_lib.models.TinyGPT`) whose blocks attend over a
+    """For a model of the tiny GPT's family (:class:`course_lib.model.gpt.TinyGPT`) whose blocks attend over a
     context-parallel group (:func:`attend_over`): its tokens' position embeddings at their global positions."""
 
     cfg: GPTConfig

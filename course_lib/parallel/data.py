@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import checkpoint, comm, faults, launch, precision, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.ledgers.memory import MemoryMeter
+from course_lib.model import precision
 from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
 from course_lib.model.formulas import tiny_gpt_activation_bytes
-from course_lib.models import (
+from course_lib.model.gpt import (
     ModelFactory,
     build_model,
     count_params,
@@ -38,6 +39,7 @@ from course_lib.models import (
     synthetic_tokens,
 )
 from course_lib.parallel.interface import Option, Scheme
+from course_lib.runtime import checkpoint, faults, launch
 
 
 def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -48,7 +50,7 @@ def batch_shard(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
 
 def split_into_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Consecutive groups of parameters whose gradients take at most ``bucket_bytes`` each (a larger one gets its
-    own), in the gradients' dtype (fp32 main gradients: :func:`course_lib.precision.grad_dtype`)."""
+    own), in the gradients' dtype (fp32 main gradients: :func:`course_lib.model.precision.grad_dtype`)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes; try --bucket-mb 0.1")
     buckets: list[list[nn.Parameter]] = [[]]
@@ -190,8 +192,8 @@ class DataParallel(nn.Module):
     a bucket's all-reduce starts from a backward hook as soon as its last gradient exists (§3.2.2-3.2.3); otherwise
     all start after backward. Call :meth:`finish_gradient_synchronization` after backward, before the optimizer
     step; inside :meth:`no_sync` backward only accumulates (§3.2.4). Gradients are all-reduced in their own dtype: a
-    bf16 one puts half of fp32's bytes on the wire, and an fp32 main gradient (:func:`course_lib.precision.grad_of`)
-    fp32's.
+    bf16 one puts half of fp32's bytes on the wire, and an fp32 main gradient
+    (:func:`course_lib.model.precision.grad_of`) fp32's.
 
     A trainable parameter that got no gradient in a step is an error naming it, unless ``find_unused_parameters``,
     which counts its gradient as zero (and then starts every all-reduce after backward, in the same order on every
@@ -276,7 +278,7 @@ def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:
 def accumulate(strategy: DataParallelStrategy, grad_accum: int, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """Forward and backward of a rank's batch in ``grad_accum`` micro-batches (loss scaled by 1/grad_accum, all but
     the last under ``no_sync``); returns the batch's loss. Under mixed precision the forward runs under autocast and
-    backward starts from the loss times the loss scale (:func:`course_lib.precision.autocast`, ``scaled``)."""
+    backward starts from the loss times the loss scale (:func:`course_lib.model.precision.autocast`, ``scaled``)."""
     device, loss_sum, optimizer = launch.rank_device(), 0.0, strategy.optimizer
     pairs = zip(micro_batches(tokens, grad_accum), micro_batches(targets, grad_accum), strict=True)
     for k, (x, y) in enumerate(pairs):
@@ -312,15 +314,15 @@ def train_loop(
     bookkeeping roughly doubles a CPU step; benchmarks turn it off. The batch is split over ``data_size``
     data-parallel ranks (default: all ranks), this rank taking share ``data_rank``. Each step tells the launcher it
     began (:func:`launch.began_step`) and passes the points where an injected fault may fire
-    (:func:`course_lib.faults.reach`: forward, grad_sync, optimizer).
+    (:func:`course_lib.runtime.faults.reach`: forward, grad_sync, optimizer).
 
-    Checkpoints (:mod:`course_lib.checkpoint`), when the run has a plan (``run_scheme(checkpoint_dir=,
+    Checkpoints (:mod:`course_lib.runtime.checkpoint`), when the run has a plan (``run_scheme(checkpoint_dir=,
     checkpoint_every=, resume=)``): a resume loads the model's and optimizer's state before the first step and
     trains ``range(start, steps)``, ``start`` being the checkpoint's step (the data is a function of the step, so
     that is the data position); after step k's optimizer step the state is saved if the plan says so ((k+1) % K
-    == 0), outside the step's tags and memory meter, by a :class:`course_lib.checkpoint.Saver` (in the background
-    with an asynchronous plan), whose ``timings`` the report carries as ``checkpoint_saves``. ``losses`` are those
-    of the steps that ran.
+    == 0), outside the step's tags and memory meter, by a :class:`course_lib.runtime.checkpoint.Saver` (in the
+    background with an asynchronous plan), whose ``timings`` the report carries as ``checkpoint_saves``. ``losses`` are
+    those of the steps that ran.
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     n = dist.get_world_size() if data_size is None else data_size
@@ -436,8 +438,8 @@ def on_every_rank(states: dict, world_size: int, cfg: GPTConfig, train: TrainCon
 
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Every rank holds the whole model: with P trainable and F frozen parameters in T trainable tensors, at the
-    run's bytes per element (:func:`course_lib.precision.convention`: in fp32 4 for a weight and a gradient and 8 of
-    AdamW state; in mixed precision 2, 2 and 12 with the master copy), weights of P + F, gradients of P, optimizer
+    run's bytes per element (:func:`course_lib.model.precision.convention`: in fp32 4 for a weight and a gradient and 8
+    of AdamW state; in mixed precision 2, 2 and 12 with the master copy), weights of P + F, gradients of P, optimizer
     state of P and AdamW's 4-byte step counter per tensor; and the activations of one micro-batch."""
     model = build_model(cfg, train, o.get("model"))
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -39,13 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, launch, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
-from course_lib.models import MoE, Routing, TinyGPT, count_params, final_params, make_optimizer, within_capacity
+from course_lib.model.gpt import MoE, Routing, TinyGPT, count_params, final_params, make_optimizer, within_capacity
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, check_batch_split, train_loop
 from course_lib.parallel.interface import Scheme
+from course_lib.runtime import launch
 
 
 def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:

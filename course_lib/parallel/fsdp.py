@@ -30,11 +30,12 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves, tree_map
 
-from course_lib import comm, launch, precision, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.ledgers.memory import resize_storage
+from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import ModelFactory, TinyGPT, build_model, count_params, optimizer_settings
+from course_lib.model.gpt import ModelFactory, TinyGPT, build_model, count_params, optimizer_settings
 from course_lib.parallel.data import (
     GRAD_ACCUM,
     MODEL,
@@ -50,6 +51,7 @@ from course_lib.parallel.data import (
 )
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.zero import FlatShard
+from course_lib.runtime import launch
 
 Policy = Callable[[nn.Module], list[nn.Module]]
 ROOT = "root"
@@ -315,8 +317,8 @@ class FullyShardedDataParallel(nn.Module):
         self._in_flight = []
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
-        """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.checkpoint` saves, layout-free,
-        as pieces of each parameter (and of its optimizer state, keyed by the shard)."""
+        """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.runtime.checkpoint` saves,
+        layout-free, as pieces of each parameter (and of its optimizer state, keyed by the shard)."""
         return [(unit.flat, unit.shard) for unit in self.units]
 
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -362,7 +364,7 @@ def train_fsdp(
     """Rank function: ZeRO-3, the tiny GPT in :class:`FullyShardedDataParallel` with :func:`gpt_blocks` units (or
     the student's ``model`` with one unit per child); ``overlap`` prefetches the next unit's parameters. Under mixed
     precision the module is held in 16 bits, so are its shards, and AdamW in a
-    :class:`course_lib.precision.MixedPrecisionOptimizer` keeps fp32 master weights and moments of the shards."""
+    :class:`course_lib.model.precision.MixedPrecisionOptimizer` keeps fp32 master weights and moments of the shards."""
     module = build_model(cfg, train, model).to(launch.rank_device())
     fsdp = FullyShardedDataParallel(module, policy_for(model), reshard_after_forward, prefetch=overlap)
     optimizer = precision.optimizer_class(train, sharded=True)(fsdp.parameters(), **optimizer_settings(train))
@@ -390,7 +392,7 @@ def _unit_sizes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) ->
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """With the units padded to a multiple of n (Pad elements in k units), a rank keeps weights, gradients and
     optimizer state of Pad/n (plus the frozen weights whole) with AdamW's step counter per unit (§5.3), at the run's
-    bytes per element (:func:`course_lib.precision.state_bytes`: (2 + 2 + 12)/n per parameter in mixed precision),
+    bytes per element (:func:`course_lib.model.precision.state_bytes`: (2 + 2 + 12)/n per parameter in mixed precision),
     and the activations of one micro-batch."""
     model = build_model(cfg, train, o["model"])
     sizes = unit_sizes(model, world_size, policy_for(o["model"]))

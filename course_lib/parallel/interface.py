@@ -59,10 +59,10 @@ class Scheme:
     ``routed_comm`` predicts the bytes that depend on where a router sent the tokens (an MoE's all-to-alls) from
     the ranks' reports and the settings: ``routed_comm(results, cfg, train, o)`` gives each rank's bytes by
     collective (by axis for a grid), which the harness adds to ``predict_comm``'s, key by key. ``checkpoint`` says
-    whether the scheme's state is one :mod:`course_lib.checkpoint` can save and resume (parameters with AdamW, whole,
-    as tensor-parallel shards or pipeline stages, or their slices in ZeRO's and FSDP's flat buffers); the harness
+    whether the scheme's state is one :mod:`course_lib.runtime.checkpoint` can save and resume (parameters with AdamW,
+    whole, as tensor-parallel shards or pipeline stages, or their slices in ZeRO's and FSDP's flat buffers); the harness
     refuses checkpoint settings for the others. ``precisions`` are the mixed-precision conventions the scheme trains
-    in (``TrainConfig.precision``: :mod:`course_lib.precision`); the harness refuses the others.
+    in (``TrainConfig.precision``: :mod:`course_lib.model.precision`); the harness refuses the others.
     """
 
     name: str

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, launch, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
-from course_lib.models import MoE, TinyGPT, make_optimizer
+from course_lib.model.gpt import MoE, TinyGPT, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.schedule_sim import simulate
@@ -42,6 +42,7 @@ from course_lib.parallel.schedules import (
 )
 from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import placement
+from course_lib.runtime import launch
 from course_lib.runtime.checkpoint_state import Held
 
 
@@ -111,8 +112,8 @@ class PipelineStage(nn.Module):
         return out
 
     def checkpoint_holdings(self) -> list[Held]:
-        """This stage's trainable parameters (or tensor-parallel shards) for :mod:`course_lib.checkpoint`, under the
-        one-device names. The tied embedding is saved by the first stage: the last one's copy is equal, but a grid's
+        """This stage's trainable parameters (or tensor-parallel shards) for :mod:`course_lib.runtime.checkpoint`, under
+        the one-device names. The tied embedding is saved by the first stage: the last one's copy is equal, but a grid's
         ZeRO-1 slices its optimizer state differently, and DCP deduplicates only identical pieces."""
         return [
             Held(name, p, *placement(name, p.shape, self.tp_rank, self.tp), save=self.first or name != "tok_emb.weight")

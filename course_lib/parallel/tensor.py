@@ -41,11 +41,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import launch, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import trace
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
-from course_lib.models import TinyGPT, count_params, make_optimizer
+from course_lib.model.gpt import TinyGPT, count_params, make_optimizer
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.tensor_layers import (
@@ -63,6 +63,7 @@ from course_lib.parallel.tensor_mappings import (
     gather_param,
     shard_of,
 )
+from course_lib.runtime import launch
 from course_lib.runtime.checkpoint_state import Box, Held, whole
 
 
@@ -159,7 +160,7 @@ class TensorParallelGPT(TinyGPT):
         return {name: unshard(name, p, self.group, self.cfg.d_model) for name, p in self.named_parameters()}
 
     def checkpoint_holdings(self) -> list[Held]:
-        """This rank's shards for :mod:`course_lib.checkpoint`, each placed in its one-device parameter."""
+        """This rank's shards for :mod:`course_lib.runtime.checkpoint`, each placed in its one-device parameter."""
         return [
             Held(name, p, *placement(name, p.shape, self.tp_rank, self.tp))
             for name, p in self.named_parameters()
@@ -327,8 +328,8 @@ def shard_shape(name: str, param: torch.Tensor, t: int) -> tuple[int, ...]:
 
 def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[int, ...], tuple[Box, ...]]:
     """The one-device shape of parameter ``name`` and where rank ``r`` of ``t``'s shard of shape ``shard`` sits in
-    it, as :class:`course_lib.runtime.checkpoint_state.Box` boxes: one for ``rows`` (a block of rows) and ``columns`` (a block
-    of columns), three for ``heads`` (the fused qkv's [q_r; k_r; v_r]: rows r h/t .. (r+1) h/t of each of q, k
+    it, as :class:`course_lib.runtime.checkpoint_state.Box` boxes: one for ``rows`` (a block of rows) and ``columns`` (a
+    block of columns), three for ``heads`` (the fused qkv's [q_r; k_r; v_r]: rows r h/t .. (r+1) h/t of each of q, k
     and v), the whole tensor when it is not split."""
     shard = tuple(shard)
     split = sharding(name)

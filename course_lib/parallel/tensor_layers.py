@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.comm import Group
+from course_lib.ledgers.comm import Group
 from course_lib.parallel.tensor_mappings import (
     GatherFromTensorParallel,
     ReduceFromTensorParallel,

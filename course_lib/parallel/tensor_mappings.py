@@ -14,7 +14,7 @@ collectives of async TP (what Megatron's ``tensor_parallel/mappings.py`` and pic
   ``isend``/``irecv`` steps, so that a matmul runs between a step's issue and its wait (:func:`ring_all_gather`,
   :func:`ring_reduce_scatter`).
 
-Every collective goes through :mod:`course_lib.comm`, tagged with the layer it belongs to and the pass.
+Every collective goes through :mod:`course_lib.ledgers.comm`, tagged with the layer it belongs to and the pass.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
-from course_lib import comm, trace
-from course_lib.comm import Group
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group
 
 
 def direction_tags(ctx: FunctionCtx, direction: str) -> AbstractContextManager[None]:

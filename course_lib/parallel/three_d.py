@@ -3,8 +3,8 @@ across stages, data parallelism (or ZeRO-1) over replicas of the whole pipeline 
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3, PTD-P; context parallelism as in Llama
 3, Grattafiori et al. 2024, §3.3.2, with ring attention, Liu et al. 2023, §3).
 
-Each rank sits at (dp, pp, cp, tp) on a :class:`course_lib.mesh.Mesh`. It builds the tensor-parallel model over its
-TP group, keeps the layers of its pipeline stage(s), takes its data-parallel share of every global batch and, of
+Each rank sits at (dp, pp, cp, tp) on a :class:`course_lib.parallel.mesh.Mesh`. It builds the tensor-parallel model over
+its TP group, keeps the layers of its pipeline stage(s), takes its data-parallel share of every global batch and, of
 each sequence, its context-parallel chunks (r and 2C-1-r of 2C, :mod:`course_lib.parallel.context`), and runs the
 schedule with its pipeline neighbours. Inside a stage CP composes with TP as in Megatron-LM: a rank holds its TP
 shard of the heads and its CP chunks of the tokens, and each of its heads attends over the CP group by ring
@@ -23,14 +23,14 @@ gradient code; ``cp 1`` (the default) is the 3D scheme unchanged, with the one-d
 **Experts** (``ep``; an MoE tiny GPT, ``GPTConfig.experts`` > 0). The expert-parallel axis is carved out of the
 data-parallel ranks, as in Megatron-core's "MoE parallel folding" (Liu et al. 2025, "MoE Parallel Folding") and
 DeepSeek-V3 (DeepSeek-AI 2024, §3.2: PP 16 x DP 128 with EP 64 folded over DP): ``ep`` must divide ``dp``, and the
-EP groups are ep consecutive DP replicas of a stage (``ep`` on the ledger, :func:`course_lib.mesh.fold_experts`),
-over which each of the stage's MoE layers splits its experts and sends tokens by all-to-all
-(:class:`course_lib.parallel.expert.AllToAllDispatcher`); the dp/ep ranks that hold the same experts form the
-expert-data-parallel group (``edp``). Dense gradients are averaged over dp as before. An expert's gradient on a rank
-already sums the losses of its EP group's ranks (their tokens reached it through the all-to-all), each loss the mean
-over one of the dp data shares; so the edp group sums the experts' gradients over the replicas and divides them by
-dp, the number of shares (with ep = dp, no edp sum: ``ep``'s division by n). The one-device reference routes, caps
-and balances over the whole batch:
+EP groups are ep consecutive DP replicas of a stage (``ep`` on the ledger,
+:func:`course_lib.parallel.mesh.fold_experts`), over which each of the stage's MoE layers splits its experts and sends
+tokens by all-to-all (:class:`course_lib.parallel.expert.AllToAllDispatcher`); the dp/ep ranks that hold the same
+experts form the expert-data-parallel group (``edp``). Dense gradients are averaged over dp as before. An expert's
+gradient on a rank already sums the losses of its EP group's ranks (their tokens reached it through the all-to-all),
+each loss the mean over one of the dp data shares; so the edp group sums the experts' gradients over the replicas and
+divides them by dp, the number of shares (with ep = dp, no edp sum: ``ep``'s division by n). The one-device reference
+routes, caps and balances over the whole batch:
 
 * with one microbatch (``microbatches`` 1), each layer's counts are gathered over the whole dp group, not just the
   EP group, so capacity (first come in token order: dp shares are blocks of the batch) and the balance loss's f_i
@@ -58,22 +58,11 @@ import math
 import torch
 from torch import nn
 
-from course_lib import comm, launch
-from course_lib.comm import ring_factor
-from course_lib.mesh import (
-    AXES,
-    Mesh,
-    axis_groups,
-    build_mesh,
-    check_sizes,
-    coords_of,
-    fold_experts,
-    joint_axes,
-    joint_group,
-)
+from course_lib.ledgers import comm
+from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
-from course_lib.models import MoE, make_optimizer, optimizer_settings
+from course_lib.model.gpt import MoE, make_optimizer, optimizer_settings
 from course_lib.parallel.context import (
     KV,
     TensorContextParallelGPT,
@@ -93,6 +82,17 @@ from course_lib.parallel.expert import (
     split_experts,
 )
 from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.mesh import (
+    AXES,
+    Mesh,
+    axis_groups,
+    build_mesh,
+    check_sizes,
+    coords_of,
+    fold_experts,
+    joint_axes,
+    joint_group,
+)
 from course_lib.parallel.pipeline import (
     CHUNKS,
     MICROBATCHES,
@@ -118,6 +118,7 @@ from course_lib.parallel.tensor import (
     unshard,
 )
 from course_lib.parallel.zero import ZeroRedundancyOptimizer, bucket_sizes
+from course_lib.runtime import launch
 
 ZERO1_BUCKET_MB = 0.1  # ZeRO-1's flat buffers over the data-parallel axis
 
@@ -280,7 +281,7 @@ SP = Option("sp", "sequence parallel inside the tensor-parallel groups")
 
 
 def grid_sizes(world_size: int, o: dict) -> dict[str, int]:
-    """The grid's axis sizes from the settings (:func:`course_lib.mesh.check_sizes`: their product must be the
+    """The grid's axis sizes from the settings (:func:`course_lib.parallel.mesh.check_sizes`: their product must be the
     world size)."""
     return check_sizes(world_size, tp=o["tp"], cp=o["cp"], pp=o["pp"], dp=o["dp"])
 
@@ -441,8 +442,8 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     of :func:`course_lib.parallel.context.kv_traffic` for L x m passes of its heads' blocks, 2 (b/(d m)) (s/C) (h/t)
     elements. pp: one message of (b/(d m)) x s/C (/t under SP) x h elements per transfer in its table. embedding:
     the tied embedding's gradient shard (V/t x h) summed between the first and last stage. dp (dp-cp when both
-    axes are longer than one rank; its gradients' group, :func:`course_lib.mesh.joint_group`): all-reduce of every
-    gradient it holds (ZeRO-1: reduce-scatter plus all-gather of its padded buckets) over the d c ranks; with
+    axes are longer than one rank; its gradients' group, :func:`course_lib.parallel.mesh.joint_group`): all-reduce of
+    every gradient it holds (ZeRO-1: reduce-scatter plus all-gather of its padded buckets) over the d c ranks; with
     experts, every gradient but the experts'. The experts' (E/ep of each MoE layer) are all-reduced over the d/ep
     ranks of edp. Each MoE layer's counts, n x E int64, are all-gathered in each of the m forward passes over its
     counts' group: dp with one microbatch (n = d), else ep (n = ep). The ``ep`` axis's all-to-alls depend on the

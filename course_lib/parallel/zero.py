@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm, launch, precision, trace
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm, trace
+from course_lib.ledgers.comm import Group, ring_factor
+from course_lib.model import precision
 from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
-from course_lib.models import ModelFactory, build_model, count_params, final_params, optimizer_settings
+from course_lib.model.gpt import ModelFactory, build_model, count_params, final_params, optimizer_settings
+from course_lib.model.precision import copy_hyperparameters, drop_grad, grad_of, set_grad
 from course_lib.parallel.data import (
     BUCKET_MB,
     GRAD_ACCUM,
@@ -47,7 +49,7 @@ from course_lib.parallel.data import (
     train_loop,
 )
 from course_lib.parallel.interface import Scheme
-from course_lib.precision import copy_hyperparameters, drop_grad, grad_of, set_grad
+from course_lib.runtime import launch
 
 
 class FlatShard:
@@ -279,7 +281,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
         """Each flat buffer's layout with this rank's slice of it, which keys its state in ``.optim``: what
-        :mod:`course_lib.checkpoint` saves, layout-free, as pieces of each parameter's optimizer state."""
+        :mod:`course_lib.runtime.checkpoint` saves, layout-free, as pieces of each parameter's optimizer state."""
         return list(zip(self.buckets, self._slices, strict=True))
 
     def state_dict(self) -> dict:
@@ -315,8 +317,8 @@ def train_zero(
 ) -> dict:
     """Rank function: the tiny GPT (or the student's ``model``) trained by a :class:`ZeroRedundancyOptimizer` of
     AdamW at ``stage`` 1 or 2; under mixed precision of AdamW in a
-    :class:`course_lib.precision.MixedPrecisionOptimizer`, so that each rank keeps the master weights and moments of
-    its slice alone."""
+    :class:`course_lib.model.precision.MixedPrecisionOptimizer`, so that each rank keeps the master weights and moments
+    of its slice alone."""
     module = build_model(cfg, train, model).to(launch.rank_device())
     optimizer = ZeroRedundancyOptimizer(
         module.named_parameters(),
@@ -346,8 +348,8 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     buffers), a rank keeps the weights of Pad + F (the module's are views into the buffers), the optimizer state of
     Pad/n (stage 1, §5.1) with AdamW's step counter per buffer, the gradients of P at stage 1 (the module's own
     .grad) and only of Pad/n at stage 2 (§5.2), at the run's bytes per element
-    (:func:`course_lib.precision.state_bytes`: in mixed precision 2 + 2 + 12/n bytes per parameter at stage 1); and
-    the activations of one micro-batch."""
+    (:func:`course_lib.model.precision.state_bytes`: in mixed precision 2 + 2 + 12/n bytes per parameter at stage 1);
+    and the activations of one micro-batch."""
     model = build_model(cfg, train, o["model"])
     sizes = bucket_sizes(model, world_size, o["bucket_mb"])
     trainable, frozen = count_params(model), count_params(model, trainable_only=False) - count_params(model)
@@ -358,7 +360,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
 
 def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Each bucket's gradients are reduce-scattered and its updated parameters all-gathered, (n-1)/n x e Pad bytes
-    each, e the bytes of a gradient and of a weight (:func:`course_lib.precision.convention`; 2 for bf16, 4 for
+    each, e the bytes of a gradient and of a weight (:func:`course_lib.model.precision.convention`; 2 for bf16, 4 for
     Megatron's fp32 main gradients); stage 2 reduce-scatters every micro-batch. With a loss scaler the ranks agree
     whether any slice's gradients overflowed: one all-reduced flag."""
     n, k = world_size, o["grad_accum"]

@@ -1,16 +1,17 @@
 """What a step costs on a cluster: the model and hardware FLOPs a token takes (:func:`flops_per_token`,
 :func:`hardware_flops_per_token`), one stage's compute at the profile's matmul rate and memory bandwidth
-(:func:`stage_seconds`), the exposed TP, PP, CP, EP and DP traffic timed on a :class:`~course_lib.network.Network`,
-and the step time by part with the schedule's bubble (:func:`step_time`; Narayanan et al. 2021, §2.2, §3.3, §5.1;
-Korthikanti et al. 2022, §4-5; the assumptions: ``course_lib.cluster.profiles.TIME_MODEL_ASSUMPTIONS``)."""
+(:func:`stage_seconds`), the exposed TP, PP, CP, EP and DP traffic timed on a
+:class:`~course_lib.cluster.network.Network`, and the step time by part with the schedule's bubble (:func:`step_time`;
+Narayanan et al. 2021, §2.2, §3.3, §5.1; Korthikanti et al. 2022, §4-5; the assumptions:
+``course_lib.cluster.profiles.TIME_MODEL_ASSUMPTIONS``)."""
 
 from __future__ import annotations
 
 import math
 
+from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile
 from course_lib.model.config import BYTES_PER_PARAM, Layout
-from course_lib.network import Network
 from course_lib.parallel.schedules import Costs, bubble_ratio, chunks_per_rank
 from course_lib.planner.layouts import Candidate, groups
 from course_lib.planner.presets import Model
@@ -195,9 +196,9 @@ def cp_comm_exposed(model: Model, c: Candidate, micro_batch: int, net: Network, 
 
 def dispatch_bytes(model: Model, c: Candidate | Layout, micro_batch: int) -> float:
     """What one rank hands one of expert parallelism's all-to-alls (dispatch or combine) for one microbatch, in
-    bytes (:mod:`course_lib.comm`'s S): its tokens, b x s / (cp x tp) (sequence parallelism and CP split them),
+    bytes (:mod:`course_lib.ledgers.comm`'s S): its tokens, b x s / (cp x tp) (sequence parallelism and CP split them),
     top_k copies each, h 16-bit values a copy (GShard, Lepikhin et al. 2021, §3.2). Under uniform routing
-    (ep-1)/ep of it leaves the rank (:func:`course_lib.comm.ring_factor`). DeepSeek-V3 dispatches in FP8, half
+    (ep-1)/ep of it leaves the rank (:func:`course_lib.ledgers.comm.ring_factor`). DeepSeek-V3 dispatches in FP8, half
     of this (§3.3)."""
     tokens = micro_batch * model.seq / (c.cp * c.tp)
     return 2 * tokens * model.experts.top_k * model.hidden

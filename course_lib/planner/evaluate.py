@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 
+from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile, get_profile
+from course_lib.cluster.topology import Topology, for_gpus
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
-from course_lib.network import Network
 from course_lib.parallel.schedules import bubble_formula, bubble_ratio, peak_activations
 from course_lib.planner.cost import (
     PEAK,
@@ -31,11 +32,11 @@ from course_lib.planner.layouts import (
     v_schedules,
 )
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model, as_model
-from course_lib.topology import Topology, for_gpus
 
 
 def placement(c: Candidate, net: Network) -> dict[str, dict]:
-    """For each axis of groups of more than one GPU, where they sit (:meth:`course_lib.network.Network.where`)."""
+    """For each axis of groups of more than one GPU, where they sit
+    (:meth:`course_lib.cluster.network.Network.where`)."""
     return {
         axis: net.where(ranks)
         for axis, ranks in groups(c.tp, c.pp, c.dp, c.cp, c.ep).items()
@@ -104,8 +105,8 @@ def check_settings(gpus: int, gpus_per_node: int, global_batch: int, micro_batch
 
 
 def network(profile: HardwareProfile, gpus: int, gpus_per_node: int | None, topology: str | Topology | None) -> Network:
-    """The :class:`course_lib.network.Network` a plan is timed on: the profile's nodes (of ``gpus_per_node``),
-    or ``topology`` sized to ``gpus`` (:func:`course_lib.topology.for_gpus`); not both."""
+    """The :class:`course_lib.cluster.network.Network` a plan is timed on: the profile's nodes (of ``gpus_per_node``),
+    or ``topology`` sized to ``gpus`` (:func:`course_lib.cluster.topology.for_gpus`); not both."""
     if topology is None:
         return Network(profile, gpus_per_node or profile.gpus_per_node)
     if gpus_per_node is not None:

@@ -13,9 +13,9 @@ from functools import cache
 
 import numpy as np
 
+from course_lib.cluster.network import Network
 from course_lib.model.config import Layout
 from course_lib.model.formulas import model_state_formula
-from course_lib.network import Network
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model
 
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
@@ -257,8 +257,8 @@ def interleave_chunks(layers: int, pp: int, microbatches: int) -> list[int]:
 def groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Every group of each axis, rank 0's first, each in increasing rank order, ranks placed as Llama 3 orders
     them, TP fastest, then CP, then PP, then DP (§3.3.2): rank = ((d x PP + p) x CP + c) x TP + t, as
-    :mod:`course_lib.mesh` numbers them. An EP group is ``ep`` consecutive ranks of a stage's TP x CP x DP ranks in
-    that order (Megatron-core's folding of EP into them); ``dp_cp``, the DP x CP ranks that average dense
+    :mod:`course_lib.parallel.mesh` numbers them. An EP group is ``ep`` consecutive ranks of a stage's TP x CP x DP
+    ranks in that order (Megatron-core's folding of EP into them); ``dp_cp``, the DP x CP ranks that average dense
     gradients; ``edp``, the expert-data-parallel groups, every ``ep``-th of a stage's TP x CP x DP ranks, holding
     the same experts."""
     ranks = np.arange(dp * pp * cp * tp).reshape(dp, pp, cp, tp)
@@ -279,5 +279,5 @@ def groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> dict[str, tup
 
 
 # A layout's axes, innermost first as :func:`groups` numbers the ranks (EP folded into TP x CP x DP); the mesh
-# lists its own outermost first (:data:`course_lib.mesh.AXES`).
+# lists its own outermost first (:data:`course_lib.parallel.mesh.AXES`).
 LAYOUT_AXES = ("tp", "cp", "pp", "dp", "ep")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from course_lib.cluster.profiles import HardwareProfile
+from course_lib.cluster.topology import Torus
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import BYTES_PER_PARAM, Layout
 from course_lib.model.formulas import interleaved_activation_factor, model_state_formula
@@ -29,7 +30,6 @@ from course_lib.planner.layouts import (
     v_schedules,
 )
 from course_lib.planner.presets import Model
-from course_lib.topology import Torus
 
 
 def format_bytes(x: float) -> str:

@@ -18,13 +18,13 @@ from :func:`course_lib.planner.reasons.explain`."""
 
 from __future__ import annotations
 
+from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import get_profile
-from course_lib.network import Network
+from course_lib.cluster.topology import Topology
 from course_lib.planner.evaluate import check_settings, evaluate, network
 from course_lib.planner.layouts import CLOSE, Candidate, Plan, describe, in_shape, layouts, tree_shape
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model, as_model
 from course_lib.planner.reasons import explain, format_bytes
-from course_lib.topology import Topology
 
 
 def plan(
@@ -43,9 +43,9 @@ def plan(
     memory default to the ``hardware`` profile's; the global batch (sequences) to the preset's published one, else
     ``DEFAULT_GLOBAL_BATCH``. Selective recompute is used only if nothing fits without it, context parallelism only
     if nothing fits without it even with selective recompute (:func:`_tries`). With ``topology`` (a profile name
-    of :mod:`course_lib.topology`, sized to the GPUs unless given ``NAME:SIZE``, or a Topology of ``gpus`` GPUs)
-    the traffic is timed on its links (:mod:`course_lib.network`), TP may grow to its fast domain (an NVL72 rack,
-    a whole torus) and the reasons say where each group sits; compute and memory stay the hardware profile's."""
+    of :mod:`course_lib.cluster.topology`, sized to the GPUs unless given ``NAME:SIZE``, or a Topology of ``gpus`` GPUs)
+    the traffic is timed on its links (:mod:`course_lib.cluster.network`), TP may grow to its fast domain (an NVL72
+    rack, a whole torus) and the reasons say where each group sits; compute and memory stay the hardware profile's."""
     model = as_model(model)
     profile = get_profile(hardware)
     net = network(profile, gpus, gpus_per_node, topology)

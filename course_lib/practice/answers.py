@@ -1,4 +1,4 @@
-"""Reading a student's answer to the pick-the-parallelism exercise (:mod:`course_lib.exercises`): :func:`parse`
+"""Reading a student's answer to the pick-the-parallelism exercise (:mod:`course_lib.practice.exercises`): :func:`parse`
 turns words or sizes into an :class:`Answer`, :func:`describe_answer` says how it was read.
 
 **Reading** (:func:`parse`; case does not matter):

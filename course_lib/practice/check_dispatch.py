@@ -1,6 +1,6 @@
-"""The check of the MoE dispatch exercise (:func:`course_lib.write_it.dispatch_counts`): the student's table of
+"""The check of the MoE dispatch exercise (:func:`course_lib.practice.write_it.dispatch_counts`): the student's table of
 rows per (source, destination) rank against the course's count (the dispatcher's
-:func:`course_lib.models.within_capacity` and :func:`course_lib.parallel.expert.rows_between`), and against the
+:func:`course_lib.model.gpt.within_capacity` and :func:`course_lib.parallel.expert.rows_between`), and against the
 tables of the usual mistakes to name the one made (capacity as in GShard: Lepikhin et al. 2020, §2).
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.model.config import GPTConfig
-from course_lib.models import expert_capacity, within_capacity
+from course_lib.model.gpt import expert_capacity, within_capacity
 from course_lib.parallel.expert import rows_between
-from course_lib.write_it_check import Feedback, call_student, hint_for_error, one_line, over_cases
+from course_lib.practice.write_it_check import Feedback, call_student, hint_for_error, one_line, over_cases
 
 DISPATCH = "MoE dispatch counts"
 

@@ -1,6 +1,6 @@
-"""The check of ring attention's merge exercise (:func:`course_lib.write_it.merge_partials`): blockwise attention
-(:func:`course_lib.parallel.context.attend_block`) merged by the student's function against attention over all the
-keys at once, float64, 1e-10; the log-sum-exp and the output measured apart (the online-softmax merge of Milakov &
+"""The check of ring attention's merge exercise (:func:`course_lib.practice.write_it.merge_partials`): blockwise
+attention (:func:`course_lib.parallel.context.attend_block`) merged by the student's function against attention over all
+the keys at once, float64, 1e-10; the log-sum-exp and the output measured apart (the online-softmax merge of Milakov &
 Gimelshein 2018, as ring attention uses it: Liu et al. 2023, §3).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.parallel.context import attend_block
-from course_lib.write_it_check import Feedback, call_student, hint_for_error, over_cases
+from course_lib.practice.write_it_check import Feedback, call_student, hint_for_error, over_cases
 
 TOLERANCE = 1e-10  # float64: a right merge matches attention over all keys to ~1e-15
 

@@ -1,4 +1,4 @@
-"""The check of the ring all-reduce exercise (:func:`course_lib.write_it.ring_all_reduce`): real ranks (2 and 4
+"""The check of the ring all-reduce exercise (:func:`course_lib.practice.write_it.ring_all_reduce`): real ranks (2 and 4
 by default); every rank's result against ``dist.all_reduce``'s, exactly (integer-valued float64 sums have no
 rounding), the ledger's bytes per rank against the ring's 2(n-1)/n S, exactly; the messages, read as they are sent,
 against the ring's, step by step (the ring of Patarasuk & Yuan 2009: a reduce-scatter of n-1 steps, then an
@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch
-from course_lib.write_it_check import STUB, Feedback, hint_for_error, one_line, show_values
+from course_lib.ledgers import comm
+from course_lib.practice.write_it_check import STUB, Feedback, hint_for_error, one_line, show_values
+from course_lib.runtime import launch
 
 RING_CHUNK = 3  # elements per chunk: the ring's tensor has 3n float64 elements on n ranks
 
@@ -174,7 +175,7 @@ def judge_ring(measured: list[dict]) -> Feedback:
 
 
 def crashed_run(exercise: str, n: int, error: launch.RankError) -> Feedback:
-    """Feedback for a run that ended in a :class:`course_lib.launch.RankError`: its first line, and for a run
+    """Feedback for a run that ended in a :class:`course_lib.runtime.launch.RankError`: its first line, and for a run
     that hung, where each rank waited."""
     lines, ranks = str(error).splitlines(), f"{n} rank{'s' if n > 1 else ''}"
     waiting = [line.strip() for line in lines if re.match(r"\s+rank \d+: ", line)]
@@ -207,8 +208,8 @@ def check_ring_all_reduce(
     backend: str = "auto",
     timeout: float = 10.0,
 ) -> Feedback:
-    """Run ``fn`` on each world size in turn (:func:`course_lib.write_it.ring_all_reduce` says what it computes)
-    and judge it (:func:`judge_ring`); the first size that fails is the feedback."""
+    """Run ``fn`` on each world size in turn (:func:`course_lib.practice.write_it.ring_all_reduce` says what it
+    computes) and judge it (:func:`judge_ring`); the first size that fails is the feedback."""
     sizes = list(world_sizes)
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"world_sizes must be positive integers, such as (2, 4), not {world_sizes!r}")

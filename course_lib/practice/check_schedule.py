@@ -1,4 +1,4 @@
-"""The check of the 1F1B exercise (:func:`course_lib.write_it.one_f_one_b`): the table's cells, each microbatch
+"""The check of the 1F1B exercise (:func:`course_lib.practice.write_it.one_f_one_b`): the table's cells, each microbatch
 once per stage, the dependencies in time, the course's schedule checker (:func:`course_lib.parallel.schedules.check`),
 1F1B's memory (at most p-s microbatches in flight on stage s) and the course's simulator: each op at its earliest
 step, the bubble (p-1)/(m+p-1) (PipeDream-Flush: Narayanan et al. 2021, §2).
@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 
 from course_lib.parallel import schedules
-from course_lib.write_it_check import Feedback, call_student, hint_for_error, over_cases
+from course_lib.practice.write_it_check import Feedback, call_student, hint_for_error, over_cases
 
 SCHEDULE = "1F1B table"
 SCHEDULE_CASES = ((2, 3), (4, 8), (4, 2))  # (stages, microbatches): m > p, more microbatches, fewer than p

@@ -1,6 +1,6 @@
 """A rank's share of the training state, as ``torch.distributed.checkpoint`` (DCP) saves and loads it: which part
 of each one-device tensor this rank holds, whatever the scheme's layout, and DCP's planners that read and write
-those parts in place (:mod:`course_lib.checkpoint` saves, loads and plans checkpoints with them).
+those parts in place (:mod:`course_lib.runtime.checkpoint` saves, loads and plans checkpoints with them).
 
 **What is saved.** Each trainable parameter and its AdamW state (``exp_avg``, ``exp_avg_sq``: parameter-shaped;
 ``step``: a scalar) under the parameter's fully qualified name on one device (``model.blocks.0.mlp.fc1.weight``,

@@ -2,7 +2,7 @@
 which ranks a timeout caught, and where the ranks holding a run up were (their Python stacks, from ``faulthandler``).
 
 Each message names every rank and what it was doing (:func:`course_lib.runtime.ranks.rank_lines`) and says what to
-change; :func:`course_lib.launch.run` raises them as a :class:`course_lib.launch.RankError`.
+change; :func:`course_lib.runtime.launch.run` raises them as a :class:`course_lib.runtime.launch.RankError`.
 """
 
 from __future__ import annotations

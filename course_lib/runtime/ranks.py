@@ -1,7 +1,7 @@
-"""The plumbing of local rank processes, shared by the launcher (:func:`course_lib.launch.run`'s ranks, one run
-each) and the distributed cells (:class:`course_lib.cells.Ranks`, ranks that outlive a cell).
+"""The plumbing of local rank processes, shared by the launcher (:func:`course_lib.runtime.launch.run`'s ranks, one run
+each) and the distributed cells (:class:`course_lib.runtime.cells.Ranks`, ranks that outlive a cell).
 
-Both fork their ranks from the forkserver (:mod:`course_lib.forkserver`) and meet at a file store named here
+Both fork their ranks from the forkserver (:mod:`course_lib.runtime.forkserver`) and meet at a file store named here
 (:func:`new_store_path`). In the launching process: the status array the ranks write into (:class:`RankStatus`,
 :func:`status_array`), what the launcher knows of each rank (:class:`RankState`), reaping them (:func:`reap`) and
 describing where each one is when a run fails, stalls or times out (:func:`laggards`, :func:`rank_lines`). In a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib.ledgers import comm
 
 STATUS_TEXT_BYTES = 200
 STORE_PREFIX = "course_lib-store-"  # a store file's name: the prefix, the launching process's pid, a random tail
@@ -36,7 +36,7 @@ STORE_PREFIX = "course_lib-store-"  # a store file's name: the prefix, the launc
 class RankStatus(ctypes.Structure):
     """Where one rank is, in memory shared with the launcher: what it last did (in words), the group and number of
     its current collective, since when it has been blocked in it (``time.monotonic()``; 0 when not blocked), and
-    the training step it began last (-1 before the first; :func:`course_lib.launch.began_step`)."""
+    the training step it began last (-1 before the first; :func:`course_lib.runtime.launch.began_step`)."""
 
     _fields_ = [
         ("text", ctypes.c_char * STATUS_TEXT_BYTES),
@@ -233,7 +233,7 @@ def die_with_parent() -> None:
 
 
 def status_teller(mine: RankStatus) -> comm.StatusSink:
-    """A :func:`course_lib.comm.set_status_sink` sink that writes into this rank's shared status entry."""
+    """A :func:`course_lib.ledgers.comm.set_status_sink` sink that writes into this rank's shared status entry."""
 
     def tell(text: str, group: str, number: int, blocked: bool) -> None:
         mine.blocked_since = 0.0

@@ -1,6 +1,6 @@
-"""Model solutions of notebook 10's exercises (:mod:`course_lib.write_it`): read them after your own has passed.
+"""Model solutions of notebook 10's exercises (:mod:`course_lib.practice.write_it`): read them after your own has passed.
 
-Loaded by ``course_lib.write_it_check.model_answers()``; nothing in ``course_lib`` imports this file.
+Loaded by ``course_lib.practice.write_it_check.model_answers()``; nothing in ``course_lib`` imports this file.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib.ledgers import comm
 
 Partial = tuple[torch.Tensor, torch.Tensor]
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import comm
-from course_lib.comm import Group, ring_factor
+from course_lib.ledgers import comm
+from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.ledgers.memory import resize_storage
 from course_lib.model.config import (
     DEFAULT_LOSS_SCALE,

@@ -13,7 +13,7 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
 from course_lib.model.formulas import model_state_formula
-from course_lib.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_schedule, plot_zero_memory
+from course_lib.ui.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_schedule, plot_zero_memory
 
 # Room for the longest label ("microbatches m", "GPUs per node") before every control, so that the controls line up.
 LABEL_STYLE = {"description_width": "8.5em"}
@@ -167,8 +167,8 @@ def planner_form(
     preset: str = "gpt3-175b", gpus: int = 1536, gpus_per_node: int = 8, gpu_mem_gb: float = 80
 ) -> widgets.interactive:
     """Pick a model (a preset, or a parameter count alone), the GPUs, GPUs per node and memory per GPU: the
-    planner's choice (:func:`course_lib.planner.search.plan`) is printed with its reasons, beside memory bars of the chosen
-    layout and the next fitting ones. The parameter count is enabled when the model is "parameter count" only.
+    planner's choice (:func:`course_lib.planner.search.plan`) is printed with its reasons, beside memory bars of the
+    chosen layout and the next fitting ones. The parameter count is enabled when the model is "parameter count" only.
     ``result`` is the figure drawn, None if the planner refuses the inputs (if nothing fits, say; it prints why)."""
     from course_lib.planner.layouts import describe
     from course_lib.planner.presets import PRESETS

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
-from course_lib import checkpoint
-from course_lib.comm import CommRecord, summarize
+from course_lib.ledgers.comm import CommRecord, summarize
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.mesh import name_of
+from course_lib.ledgers.trace import Event, to_chrome_trace, with_idle
 from course_lib.model.formulas import model_state_formula
-from course_lib.trace import Event, to_chrome_trace, with_idle
+from course_lib.parallel.mesh import name_of
+from course_lib.runtime import checkpoint
 
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun
@@ -313,7 +313,7 @@ def plot_checkpoint_timeline(runs: dict[str, SchemeRun], rank: int = 0) -> plt.F
     its training steps and the time training stood still for a checkpoint (copying the state, writing it, or
     waiting for a write still under way) on one lane, and the checkpoint being written on another; the title gives
     the run's total stall. A synchronous save stalls for the whole write; an asynchronous one only to copy, then
-    writes beside training (:class:`course_lib.checkpoint.Saver`)."""
+    writes beside training (:class:`course_lib.runtime.checkpoint.Saver`)."""
     panels = {}
     for label, run in runs.items():
         steps = _step_spans([run.result.events[rank]])

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from course_lib import launch
 from course_lib.cluster.clock import replay
 from course_lib.cluster.profiles import PROFILES, HardwareProfile, get_profile
+from course_lib.ledgers.trace import Compute
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
-from course_lib.trace import Compute
+from course_lib.runtime import launch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # What a measurement tries, by device type: matmul sides, the copied buffer's bytes, attention's (b, h, s, d), and
@@ -222,7 +222,8 @@ def as_profile(measured: Measured, name: str | None = None, links: str = "h100")
         attention_efficiency=min(1.0, measured.attention_flops / measured.matmul_flops["bf16"]),
         hbm_bandwidth=measured.memory_bandwidth,
         sources=(
-            f"measured on {measured.date} with torch {measured.torch_version} by course_lib.calibrate: {rates}; copy "
+            f"measured on {measured.date} with torch {measured.torch_version} by course_lib.cluster.calibrate: "
+            f"{rates}; copy "
             f"{measured.memory_bandwidth / 1e9:.4g} GB/s; attention {measured.attention_flops / 1e12:.4g} TFLOP/s",
             f"links and GPUs per node: the published {base.name} profile's (one device measures no link)",
         ),

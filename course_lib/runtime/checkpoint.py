@@ -7,7 +7,7 @@ layout (:mod:`course_lib.runtime.checkpoint_state`).
 
 Frozen parameters are not saved (the model's constructor rebuilds them from the seed), nor is any RNG state of the
 tiny GPT's training: it has no dropout, and its data is a pure function of the step
-(:func:`course_lib.models.synthetic_tokens` seeds its own generator), so the **data position is the step**, counted
+(:func:`course_lib.model.gpt.synthetic_tokens` seeds its own generator), so the **data position is the step**, counted
 in global batches; a new layout splits the same global batch its own way, which is what makes resharding the data
 position trivial here (torchtitan must refuse a data-loader state saved at another DP degree). Each rank's torch RNG
 state is saved anyway (``rng.rank<r>``) and restored when the world size is the same, for a student's model with
@@ -22,7 +22,8 @@ they were and a ``.partial`` folder that nothing reads (the next save of that st
 before its first step and saves after each optimizer step that :meth:`CheckpointPlan.due` names (a :class:`Saver`:
 with :func:`save` while training waits, or with ``CheckpointPlan.asynchronous`` in the background, as
 ``dcp.async_save`` does), reading the :class:`CheckpointPlan` that :func:`planned` makes active in the rank's process
-(as :mod:`course_lib.faults` passes a fault), so no scheme carries checkpoint code. The harness builds the plan with
+(as :mod:`course_lib.runtime.faults` passes a fault), so no scheme carries checkpoint code. The harness builds the plan
+with
 :func:`plan_for`, which refuses a bad resume before any rank starts.
 """
 
@@ -43,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import faults, launch, trace
+from course_lib.ledgers import trace
+from course_lib.runtime import faults, launch
 from course_lib.runtime.checkpoint_state import Pieces, dcp_planners, training_state
 
-FORMAT = "course_lib.checkpoint/2"  # 2: tensors in their one-device shapes (1: flattened)
+FORMAT = "course_lib.runtime.checkpoint/2"  # 2: tensors in their one-device shapes (1: flattened)
 META = "meta.json"
 TRAIN_FIELDS = ("batch", "lr", "weight_decay", "adam_eps", "seed", "dtype")  # all of TrainConfig that the path needs
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -153,7 +155,7 @@ def _publish(plan: CheckpointPlan, step: int) -> Path:
 def save(plan: CheckpointPlan, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
     """Every rank: write the state after ``step`` optimizer steps as ``plan.directory/step-<step>``, atomically,
     while training waits (module docstring). An injected fault of phase ``checkpoint`` fires after the shards are
-    written and before the rename (:func:`course_lib.faults.reach`)."""
+    written and before the rename (:func:`course_lib.runtime.faults.reach`)."""
     import torch.distributed.checkpoint as dcp
 
     partial = _prepare(plan, step)
@@ -176,8 +178,8 @@ class Saver:
     of phase ``checkpoint`` fires in the writer just before). One write is in flight at a time: the next save, and
     the end of the run (:meth:`finish`), first wait for the one under way, and that wait is a stall too.
 
-    ``timings`` records, per save, on this rank's clock (:func:`course_lib.trace.now`): ``stall`` (training stopped
-    to save), ``write`` (the state going to storage) and ``wait`` (waiting for the background write to end;
+    ``timings`` records, per save, on this rank's clock (:func:`course_lib.ledgers.trace.now`): ``stall`` (training
+    stopped to save), ``write`` (the state going to storage) and ``wait`` (waiting for the background write to end;
     asynchronous only)."""
 
     def __init__(self, plan: CheckpointPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -93,7 +93,7 @@ class Topology:
 
     def levels(self) -> list[tuple[str, int]]:
         """The topology's levels, innermost first, as (name, GPUs along it): where a mesh's axes can be placed
-        (:mod:`course_lib.placement`)."""
+        (:mod:`course_lib.cluster.placement`)."""
         raise NotImplementedError
 
     def check_group(self, group: Sequence[int]) -> list[int]:

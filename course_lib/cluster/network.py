@@ -5,10 +5,10 @@ profile's NVLink and network rates, every collective a ring on its group's slowe
 :func:`course_lib.cluster.clock.collective_time` times it, the planner's rank-0 groups standing for all of their axis
 (with nodes of a size that divides the groups, or that they divide, every group of an axis sits alike).
 
-With a ``topology`` (:mod:`course_lib.topology`), rank r on GPU r (the planner numbers ranks as the mesh does, TP
-innermost, so the default placement of :mod:`course_lib.placement`), every group of the axis is timed by
-:func:`course_lib.collectives.choose` on its GPUs, the algorithm NCCL would pick, and the slowest group stands for
-the axis: on a 72-GPU NVL72 rack an EP group of 64 fits rack 0, but the next one straddles two racks, and every
+With a ``topology`` (:mod:`course_lib.cluster.topology`), rank r on GPU r (the planner numbers ranks as the mesh does,
+TP innermost, so the default placement of :mod:`course_lib.cluster.placement`), every group of the axis is timed by
+:func:`course_lib.cluster.collectives.choose` on its GPUs, the algorithm NCCL would pick, and the slowest group stands
+for the axis: on a 72-GPU NVL72 rack an EP group of 64 fits rack 0, but the next one straddles two racks, and every
 group waits for its slowest peer. Groups alike up to the names of their domains and leaves (a fat-tree), or up to
 a shift (a torus), cost the same and are timed once. The hardware profile still gives compute and memory.
 """
@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from course_lib import collectives
+from course_lib.cluster import collectives
 from course_lib.cluster.clock import collective_time, link
 from course_lib.cluster.profiles import HardwareProfile
-from course_lib.comm import ring_factor
-from course_lib.topology import FatTree, Topology, Torus, Where
+from course_lib.cluster.topology import FatTree, Topology, Torus, Where
+from course_lib.ledgers.comm import ring_factor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -20,11 +20,11 @@ PRELOAD = [
     "torch._dynamo",
     "torch.optim",
     "course_lib",
-    "course_lib.launch",
+    "course_lib.runtime.launch",
     "course_lib.runtime.ranks",
     "course_lib.runtime.failures",
-    "course_lib.models",
-    "course_lib.memory",
+    "course_lib.model.gpt",
+    "course_lib.ledgers.memory",
 ]
 RANK_NAME = "course_lib-rank"  # every local rank's process name starts with it
 _LOCK = threading.Lock()
@@ -88,7 +88,7 @@ def _stop_servers() -> None:
     shuts down. ipykernel's shutdown terminates the kernel's children and waits until none is left, but the
     resource tracker ignores SIGTERM and an ended server stays a zombie until reaped, so without this every
     shutdown or restart waited for Jupyter to kill the kernel (2.5 s) and skipped its exit handlers."""
-    cells = sys.modules.get("course_lib.cells")
+    cells = sys.modules.get("course_lib.runtime.cells")
     if cells is not None:
         cells.stop()  # persistent ranks first: they are the server's children
     forkserver._forkserver._stop()

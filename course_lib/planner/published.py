@@ -14,8 +14,8 @@ Thirteen runs whose layout, batch and recompute are all known, the check on :fun
   here as the planner's model FLOPs, 6N plus causal attention (:func:`course_lib.planner.cost.flops_per_token`).
 
 The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
-(:data:`course_lib.cluster.profiles.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about the
-run, and where a source is silent (Llama 3's chunks per rank and micro-batch) the assumption is written in ``run``.
+(:data:`course_lib.cluster.profiles.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about
+the run, and where a source is silent (Llama 3's chunks per rank and micro-batch) the assumption is written in ``run``.
 """
 
 from __future__ import annotations

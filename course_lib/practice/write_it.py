@@ -2,7 +2,7 @@
 
 Each function below is a stub: its docstring says exactly what to compute, and its body raises
 ``NotImplementedError``. Write your own version with the same signature (in the notebook, or in a file of your
-own) and pass it to the matching check of :mod:`course_lib.write_it_check`, which runs it against one device or
+own) and pass it to the matching check of :mod:`course_lib.practice.write_it_check`, which runs it against one device or
 the course's own code and answers with what it measured and a hint. The model solutions are kept apart, in
 ``exercises/answers/write_it.py``: read them after your own has passed.
 
@@ -36,7 +36,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
 
     Each rank then sends 2(n-1) chunks of S/n bytes: 2(n-1)/n S, whatever n is.
 
-    Use only the point-to-point calls of :mod:`course_lib.comm`, called as ``comm.send``, ``comm.recv``,
+    Use only the point-to-point calls of :mod:`course_lib.ledgers.comm`, called as ``comm.send``, ``comm.recv``,
     ``comm.isend`` and ``comm.irecv``: those of ``torch.distributed``, with the same arguments, recorded on the
     ledger so the check can count your bytes and read your messages. No collective. Careful: gloo's blocking
     ``send`` waits until the peer receives, so if every rank sends first, every rank waits for ever; post the send

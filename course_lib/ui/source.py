@@ -11,7 +11,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent  # the repository (or site-packages) that holds course_lib/
+_ROOT = Path(__file__).resolve().parents[2]  # the repository (or site-packages) that holds course_lib/
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-DECK_PATH = Path(__file__).resolve().parent.parent / "flashcards" / "deck.json"
+DECK_PATH = Path(__file__).resolve().parents[2] / "flashcards" / "deck.json"
 FIELDS = ("id", "question", "answer", "tags", "lesson")
 PAGE_BREAK = "page-break-after: always; break-after: page"
 ANKI_HEADER = ("#separator:tab", "#html:false", "#tags column:3")

@@ -1,4 +1,4 @@
-"""What the checks of :mod:`course_lib.write_it` share: each runs a student's function, measures it against one
+"""What the checks of :mod:`course_lib.practice.write_it` share: each runs a student's function, measures it against one
 device or the course's own code, and answers with a :class:`Feedback` whose hint comes from what it measured.
 
 A check never raises on what the student wrote: an exception, a hang, a table of the wrong shape, NaN, all become
@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-ANSWERS = Path(__file__).resolve().parent.parent / "exercises" / "answers" / "write_it.py"
+ANSWERS = Path(__file__).resolve().parents[2] / "exercises" / "answers" / "write_it.py"
 STUB = "the stub is still in place: write the function's body (its docstring says what to compute)"
 
 

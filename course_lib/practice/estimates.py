@@ -14,8 +14,9 @@ The scenarios, by the kind of number they ask for:
   group ``ep`` consecutive ranks of its stage (:func:`course_lib.planner.layouts.groups`). A count, right only if exact;
   the usual slips (the group's GPUs, a stage's nodes) are named.
 * ``bytes``: what one rank sends in one dispatch all-to-all for a microbatch: tokens x top-k x hidden x 2 bytes
-  (bf16) x (ep-1)/ep, the copies that leave the rank under uniform routing (:func:`course_lib.planner.cost.dispatch_bytes`,
-  :func:`course_lib.comm.ring_factor`). Right within 1%, because leaving out the (ep-1)/ep moves it by 1.6%;
+  (bf16) x (ep-1)/ep, the copies that leave the rank under uniform routing
+  (:func:`course_lib.planner.cost.dispatch_bytes`,
+  :func:`course_lib.ledgers.comm.ring_factor`). Right within 1%, because leaving out the (ep-1)/ep moves it by 1.6%;
   close within 10% (MiB read as MB, 4,000 tokens for 4,096); factors of 2 or 8 (fp32, FP8, dispatch and combine,
   no top-k, bits) are named.
 * ``cp``: the smallest context-parallel degree that fits Llama 3 405B's 131,072-token sequences at TP 8 x PP 16 in
@@ -25,9 +26,9 @@ The scenarios, by the kind of number they ask for:
   fits but splits more than needed; wrong: a degree that does not fit, is not one (it must divide CP x DP), or is
   larger still.
 * ``minutes``: a checkpoint interval for Llama 3 405B on 16,384 GPUs with Llama 3's failure rate (§3.3.4,
-  :data:`course_lib.goodput.LLAMA3`): Daly's optimum as :func:`course_lib.goodput.choose_interval` computes it
-  (Young 1974; Daly 2006). Right within ``right_within`` of it (25%), close within a factor ``close_factor`` (2),
-  because goodput is flat near the optimum (its slope is zero there): a quarter off costs under half a percentage
+  :data:`course_lib.planner.goodput.LLAMA3`): Daly's optimum as :func:`course_lib.planner.goodput.choose_interval`
+  computes it (Young 1974; Daly 2006). Right within ``right_within`` of it (25%), close within a factor ``close_factor``
+  (2), because goodput is flat near the optimum (its slope is zero there): a quarter off costs under half a percentage
   point of goodput, a factor of 2 under 3 points; Young's first-order interval (5% longer here) is right too. The
   feedback shows the goodput at the student's interval beside the optimum's, and names the usual slips (seconds
   or hours for minutes, one GPU's MTBF for the job's, the per-GPU write speed past the storage's shared cap).
@@ -44,14 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
-from course_lib import exercises
-from course_lib.comm import ring_factor
-from course_lib.goodput import LLAMA3, IntervalChoice, choose_interval, expected_goodput
+from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import Layout
 from course_lib.model.formulas import memory_formula
 from course_lib.planner.cost import dispatch_bytes
+from course_lib.planner.goodput import LLAMA3, IntervalChoice, choose_interval, expected_goodput
 from course_lib.planner.layouts import MIN_CP_TOKENS, cp_degrees, groups
 from course_lib.planner.presets import make_model
+from course_lib.practice import exercises
 
 NAME = "estimates"
 VERDICTS = ("right", "close", "wrong", "unreadable")
@@ -388,7 +389,8 @@ def _solve_cp(scenario_id: str) -> Solved:
 # ------------------------------------------------------------------------------------------------ interval
 @cache
 def _interval(scenario_id: str) -> IntervalChoice:
-    """:func:`course_lib.goodput.choose_interval` for the scenario, as ``python -m course_lib goodput`` runs it."""
+    """:func:`course_lib.planner.goodput.choose_interval` for the scenario, as ``python -m course_lib goodput``
+    runs it."""
     s = _scenarios()[scenario_id]
     return choose_interval(
         s["preset"], s["gpus"], mtbf_gpu_s=LLAMA3.mtbf_gpu_hours() * 3600, write_bandwidth=s["write_gbps"] * 1e9,

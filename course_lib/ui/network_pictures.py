@@ -1,11 +1,11 @@
-"""Pictures of the machines under the collectives: :func:`draw_topology` draws a :mod:`course_lib.topology`.
+"""Pictures of the machines under the collectives: :func:`draw_topology` draws a :mod:`course_lib.cluster.topology`.
 
-* A :class:`~course_lib.topology.FatTree` (Leiserson 1985, "Fat-trees: universal networks for hardware-efficient
+* A :class:`~course_lib.cluster.topology.FatTree` (Leiserson 1985, "Fat-trees: universal networks for hardware-efficient
   supercomputing"): its NVLink domains as boxes of GPU dots above their NVLink switch (an 8-GPU node in a row, a
   72-GPU GB200 NVL72 rack as a compact grid), every GPU's NIC to its leaf switch (coloured by rail when the tree is
   rail-optimized, GPU i of every node on leaf i, as in NVIDIA's DGX SuperPOD), the leaves' uplinks to the spine
   with their oversubscription written on them. The legend gives each link's rate per GPU and direction.
-* A :class:`~course_lib.topology.Torus` (Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer
+* A :class:`~course_lib.cluster.topology.Torus` (Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer
   for Machine Learning", ISCA): a 2D torus as a grid with its wrap-around links as dashed arcs; a 3D torus as its
   2D layers side by side, each chip also wired to the same place in the layers on either side (wrapping round).
   The title gives the link rate.
@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from course_lib.topology import FatTree, Topology, Torus
+from course_lib.cluster.topology import FatTree, Topology, Torus
 
 GPU_FACE = "#D9D9D9"
 NVLINK = "#76B900"

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from course_lib import comm
+from course_lib.ledgers import comm
 
 AXES = ("dp", "pp", "cp", "tp")  # outermost first
 

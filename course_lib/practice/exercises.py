@@ -49,7 +49,7 @@ from course_lib.planner.reasons import placement_sentences
 from course_lib.planner.search import plan
 from course_lib.practice.answers import EXAMPLES, Answer, UnreadableAnswer, describe_answer, parse
 
-EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
+EXERCISES = Path(__file__).resolve().parents[2] / "exercises"
 TREE_FAMILY = {"dp": "dp", "tp": "tp", "fsdp": "sharded", "3d": "3d"}  # the decision tree's shape, as a family
 TIME_PARTS = {
     "compute_s": "compute",  # with recompute, the forward again

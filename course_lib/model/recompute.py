@@ -15,7 +15,7 @@ zero-bubble pipelines' ``torch.autograd.grad`` work) with its inputs also saved 
 its inputs in a closure, out of sight of ``saved_tensors_hooks``, so the memory meter
 (:class:`course_lib.ledgers.memory.MemoryMeter`) would miss exactly what recomputation keeps. Saving them (no copy)
 makes the meter count them for as long as the segment's backward needs them. The run in backward is a ``recompute`` span
-on the rank's timeline (:mod:`course_lib.trace`), carrying the FLOPs it cost; its collectives are tagged
+on the rank's timeline (:mod:`course_lib.ledgers.trace`), carrying the FLOPs it cost; its collectives are tagged
 ``recomputed``. PyTorch's checkpoint stops the
 recomputation once it has rebuilt the last tensor the segment saved (``set_checkpoint_early_stop``), so what
 follows it (a layer's closing collective) does not run again.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from course_lib import trace
+from course_lib.ledgers import trace
 from course_lib.model.config import GPTConfig, check_recompute
 
 

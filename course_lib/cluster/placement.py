@@ -5,10 +5,10 @@ in every layer, so TP goes inside an NVLink domain (Narayanan et al. 2021, "Effi
 Training on GPU Clusters Using Megatron-LM", §3.3: "tensor model parallelism within a multi-GPU server"); context
 and expert parallelism next (ring attention's K/V every layer, the MoE all-to-alls); pipeline stages send one
 activation per microbatch and go across domains; data parallelism talks once per step and goes on top. Llama 3
-orders its ranks TP, CP, PP, DP, innermost first (Grattafiori et al. 2024, §3.3.2), as :mod:`course_lib.mesh`
+orders its ranks TP, CP, PP, DP, innermost first (Grattafiori et al. 2024, §3.3.2), as :mod:`course_lib.parallel.mesh`
 numbers ranks.
 
-A topology's levels (:meth:`course_lib.topology.Topology.levels`), innermost first: an NVLink domain, then the
+A topology's levels (:meth:`course_lib.cluster.topology.Topology.levels`), innermost first: an NVLink domain, then the
 domains, on a fat-tree; the torus axes, fastest-varying first, on a torus. A placement lists, per level, the mesh
 axes it holds, innermost first, written ``"tp,cp/pp,dp"`` (``/``: start at the next level). Rank r then runs
 on the GPU whose index is its coordinates read as a mixed-radix number, the axes after a ``/`` starting at the
@@ -23,7 +23,7 @@ import itertools
 import operator
 from collections.abc import Sequence
 
-from course_lib.topology import Topology
+from course_lib.cluster.topology import Topology
 
 ORDER = ("tp", "cp", "ep", "pp", "dp")  # the mesh's axes, innermost (chattiest) first
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course_lib import launch
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import ModelFactory, check_model, max_param_diff, synthetic_tokens
+from course_lib.model.gpt import ModelFactory, check_model, max_param_diff, synthetic_tokens
+from course_lib.runtime import launch
 
 TOLERANCE = 1e-10  # float64: a correct data-parallel loop matches one process to ~1e-15
 TrainFn = Callable[[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]], dict[str, torch.Tensor]]

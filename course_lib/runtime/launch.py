@@ -12,7 +12,7 @@ for its device.
   The processes meet at a file store in a fresh temporary file (removed after the run, so two runs never collide).
   Each rank uses ``max(1, cores // world_size)`` threads. Backend: gloo on CPU, NCCL when CUDA has at least
   ``world_size`` devices (rank r on ``cuda:r``). ``device="cuda"`` puts gloo ranks on GPUs too, several to a GPU
-  if need be (:func:`compute_device`; their collectives go through host memory, :mod:`course_lib.comm`).
+  if need be (:func:`compute_device`; their collectives go through host memory, :mod:`course_lib.ledgers.comm`).
 * Under torchrun (RANK and WORLD_SIZE set) ``fn`` runs in place on this rank and the results of all ranks are
   gathered, so the same rank function serves notebooks, tests and multi-node GPU jobs.
 
@@ -45,9 +45,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, trace
-from course_lib.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
+from course_lib.ledgers import comm, trace
 from course_lib.runtime import failures
+from course_lib.runtime.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
 from course_lib.runtime.ranks import (
     PipeWriter,
     RankState,
@@ -78,9 +78,9 @@ class RankError(RuntimeError):
 class RunResult(list):
     """The per-rank return values in rank order, with each rank's ledger attached.
 
-    ``comm[r]`` is rank r's list of :class:`course_lib.comm.CommRecord`, ``events[r]`` its timeline
-    (:class:`course_lib.trace.Event`), ``programs[r]`` its program (compute, issue, wait; see
-    :mod:`course_lib.trace`), ``wall_s`` the seconds from launch to the last result, ``device`` what the ranks
+    ``comm[r]`` is rank r's list of :class:`course_lib.ledgers.comm.CommRecord`, ``events[r]`` its timeline
+    (:class:`course_lib.ledgers.trace.Event`), ``programs[r]`` its program (compute, issue, wait; see
+    :mod:`course_lib.ledgers.trace`), ``wall_s`` the seconds from launch to the last result, ``device`` what the ranks
     computed on (``cpu`` or ``cuda``, :func:`compute_device`).
     """
 
@@ -148,7 +148,7 @@ def sync(device: torch.device) -> None:
 def compute_device(backend: str, device: str | None = None) -> str:
     """Where ranks compute: ``cpu``, or ``cuda`` (local rank r on GPU r modulo the GPUs). By default CUDA under
     NCCL and the CPU under gloo. gloo ranks may compute on CUDA too, several to a GPU: their collectives then go
-    through host memory (:mod:`course_lib.comm`). NCCL ranks compute on their GPUs only."""
+    through host memory (:mod:`course_lib.ledgers.comm`). NCCL ranks compute on their GPUs only."""
     if device is None:
         return "cuda" if backend == "nccl" else "cpu"
     if device not in ("cpu", "cuda"):
@@ -490,9 +490,9 @@ def start_rank(
     threads: int,
 ) -> None:
     """Make this freshly forked process local rank ``rank`` (of :func:`run`, or a persistent rank of
-    :class:`course_lib.cells.Ranks`): the rank that :func:`rank_device` and :func:`began_step` speak for, computing
-    on ``threads`` threads where ``placed`` says (:func:`compute_device`); join the group at the file store (its
-    collectives wait ``timeout`` + 30 s) and start the ledgers on the launcher's clock (``epoch``), each collective
+    :class:`course_lib.runtime.cells.Ranks`): the rank that :func:`rank_device` and :func:`began_step` speak for,
+    computing on ``threads`` threads where ``placed`` says (:func:`compute_device`); join the group at the file store
+    (its collectives wait ``timeout`` + 30 s) and start the ledgers on the launcher's clock (``epoch``), each collective
     told to this rank's entry of the shared ``status`` (:func:`course_lib.runtime.ranks.status_array`)."""
     global _IN_RANK, _STATUS
     _IN_RANK, _STATUS = True, status[rank]

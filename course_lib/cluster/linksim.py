@@ -1,4 +1,5 @@
-"""A link-level simulation of the collective algorithms, independent of their formulas (:mod:`course_lib.collectives`).
+"""A link-level simulation of the collective algorithms, independent of their formulas
+(:mod:`course_lib.cluster.collectives`).
 
 Each algorithm is written as what it does: a list of steps, each a list of messages (source GPU, destination GPU,
 bytes), built from the algorithm's definition, not from its cost. :func:`simulate` moves every step's messages over
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from course_lib.collectives import domains_of, torus_rings, tree_levels
-from course_lib.topology import FatTree, Topology, Torus
+from course_lib.cluster.collectives import domains_of, torus_rings, tree_levels
+from course_lib.cluster.topology import FatTree, Topology, Torus
 
 Message = tuple[int, int, float]  # source GPU, destination GPU, bytes
 

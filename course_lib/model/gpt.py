@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import precision, trace
+from course_lib.ledgers import trace
+from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.recompute import apply as apply_recompute
-from course_lib.recompute import recompute
+from course_lib.model.recompute import apply as apply_recompute
+from course_lib.model.recompute import recompute
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -285,7 +286,7 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
 
 def make_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (Loshchilov & Hutter 2019), with the settings every scheme uses; under
-    mixed precision over fp32 copies of them (:func:`course_lib.precision.optimizer_class`)."""
+    mixed precision over fp32 copies of them (:func:`course_lib.model.precision.optimizer_class`)."""
     return precision.optimizer_class(train)([p for p in params if p.requires_grad], **optimizer_settings(train))
 
 
@@ -313,8 +314,8 @@ def build_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None =
     """The tiny GPT of ``cfg``; or, given a factory, the student's own model: ``model()`` called with torch's
     generator seeded by ``train.seed`` (so every rank and the reference build the same weights) and cast to
     ``train.dtype``. Either one maps ``(tokens, targets)``, (batch, seq) token ids of :func:`synthetic_tokens`, to
-    the mean loss. ``cfg.recompute`` applies to either (:func:`course_lib.recompute.apply` for the student's);
-    under mixed precision it is then held in the 16-bit type (:func:`course_lib.precision.prepare`)."""
+    the mean loss. ``cfg.recompute`` applies to either (:func:`course_lib.model.recompute.apply` for the student's);
+    under mixed precision it is then held in the 16-bit type (:func:`course_lib.model.precision.prepare`)."""
     if model is None:
         return precision.prepare(TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype), train)
     torch.manual_seed(train.seed)
@@ -392,7 +393,7 @@ def train_reference(
 ) -> TrainResult:
     """Train on one device: the ground truth that every parallel scheme must reproduce (the tiny GPT, or the
     student's ``model``, see :func:`build_model`), in the run's precision: the forward under autocast and the loss
-    scaled for backward under mixed precision (:mod:`course_lib.precision`)."""
+    scaled for backward under mixed precision (:mod:`course_lib.model.precision`)."""
     device = torch.device(device)
     module = build_model(cfg, train, model).to(device)
     optimizer = make_optimizer(module.parameters(), train)

@@ -53,14 +53,15 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import launch, trace
-from course_lib.comm import Group
+from course_lib.ledgers import trace
+from course_lib.ledgers.comm import Group
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.models import TinyGPT, final_params, make_optimizer, synthetic_tokens
+from course_lib.model.gpt import TinyGPT, final_params, make_optimizer, synthetic_tokens
 from course_lib.parallel.data import all_reduce_grads, batch_shard
 from course_lib.parallel.pipeline import build_stages, stage_params
 from course_lib.parallel.schedules import validate
 from course_lib.parallel.tensor import check_tensor_parallel
+from course_lib.runtime import launch
 
 
 def _train(model: nn.Module, cfg: GPTConfig, train: TrainConfig, shard_batch: bool = True) -> list[float]:

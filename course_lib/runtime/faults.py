@@ -11,13 +11,13 @@ the step where it fires:
 Phases: ``forward`` (the start of the step, before its forward), ``grad_sync`` (after backward, before the strategy
 finishes the gradients; a scheme that overlaps its gradient collectives with backward has issued them already),
 ``optimizer`` (before the optimizer step) and ``checkpoint`` (in a step that saves a checkpoint, after every rank wrote
-its shards and before the folder is renamed into place: :func:`course_lib.checkpoint.save`; for an asynchronous
-checkpoint in the thread that writes it, :class:`course_lib.checkpoint.Saver`). Every scheme trains through
+its shards and before the folder is renamed into place: :func:`course_lib.runtime.checkpoint.save`; for an asynchronous
+checkpoint in the thread that writes it, :class:`course_lib.runtime.checkpoint.Saver`). Every scheme trains through
 :func:`course_lib.parallel.data.train_loop`, which calls :func:`reach` at those points, so no scheme knows about faults.
 The plan reaches the ranks with the rank function: :func:`injected` wraps it so that each rank sets the active plan in
 its own process before training (``run_scheme(..., fault=Fault(1, 2, "kill"))``, ``run dp --kill-rank 1 --at-step 2``);
-the launcher then reports the failure like any other (:class:`course_lib.launch.RankError`, naming the rank and the step
-it had begun).
+the launcher then reports the failure like any other (:class:`course_lib.runtime.launch.RankError`, naming the rank and
+the step it had begun).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from course_lib import launch
+from course_lib.runtime import launch
 
 KINDS = ("raise", "exit", "kill", "hang")
 PHASES = ("forward", "grad_sync", "optimizer", "checkpoint")

@@ -1,6 +1,6 @@
 """``make html``: every lesson executed and written as a static site that a browser reads without a kernel.
 
-``python -m course_lib.site OUT_DIR [--no-execute] [--timeout S] [--notebooks DIR]`` (:func:`build`) takes the
+``python -m course_lib.ui.site OUT_DIR [--no-execute] [--timeout S] [--notebooks DIR]`` (:func:`build`) takes the
 lesson notebooks, ``notebooks/NN*_*.ipynb`` in course order (sorted by name), runs a copy of each top to bottom with
 nbclient in the notebooks folder on this environment's ``python3`` kernel (nothing is written into ``notebooks/``),
 checks it and writes ``OUT_DIR/<lesson>.html`` with nbconvert's HTMLExporter, figures embedded as ``data:`` URIs
@@ -39,7 +39,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from nbconvert import HTMLExporter
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = "[0-9][0-9]*_*.ipynb"
 IMAGES = ("image/png", "image/svg+xml", "image/jpeg")
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -139,7 +139,7 @@ def run_lesson(nb, notebooks_dir: Path, name: str, timeout: float) -> None:
     """Run ``nb`` in place, top to bottom, in ``notebooks_dir`` on a fresh ``python3`` kernel, then :func:`check`.
 
     The kernel is killed with its process group once the last cell has returned (``shutdown_kernel="immediate"``):
-    the outputs are complete by then, and its rank server (course_lib.forkserver) goes with it. A graceful
+    the outputs are complete by then, and its rank server (course_lib.runtime.forkserver) goes with it. A graceful
     shutdown took ~2.4 s more for a one-cell notebook, whose kernel quit while that server was still starting.
     """
     client = NotebookClient(
@@ -240,9 +240,9 @@ def _seconds(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.site OUT_DIR [--no-execute] [--timeout S] [--notebooks DIR]``: a line per lesson
+    """``python -m course_lib.ui.site OUT_DIR [--no-execute] [--timeout S] [--notebooks DIR]``: a line per lesson
     (name, seconds, figures), then the index; exit 1 with one line if a lesson fails its checks."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.site", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.ui.site", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder for index.html and one page per lesson")
     parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="the lessons' folder (default notebooks/)")
     parser.add_argument("--no-execute", action="store_true", help="render the notebooks as stored, unchecked")

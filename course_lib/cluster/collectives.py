@@ -3,7 +3,7 @@
 A message of ``b`` bytes over a route costs alpha + b / B: alpha the route's summed latency, B its slowest link's
 bandwidth, as long as no other message of the same step shares a link. Ring, tree, hierarchical and torus assume
 that (true for groups listed in node order, or whole rings of a torus); where a group's order makes a step's
-messages share a link, their formula is a lower bound and :mod:`course_lib.linksim` gives the time with the
+messages share a link, their formula is a lower bound and :mod:`course_lib.cluster.linksim` gives the time with the
 sharing. The all-to-all formulas count the sharing (exact for groups with the same number of ranks per domain and
 per leaf). ``nbytes`` is the buffer one rank holds:
 the tensor an all-reduce reduces, the input of a reduce-scatter, the output of an all-gather, the rows an all-to-all
@@ -53,7 +53,7 @@ from math import ceil, log2
 
 import numpy as np
 
-from course_lib.topology import FatTree, Topology, Torus
+from course_lib.cluster.topology import FatTree, Topology, Torus
 
 ALGORITHMS = {
     "all_reduce": ("ring", "tree", "hierarchical", "torus"),
@@ -209,7 +209,7 @@ def _scattered(topology: Torus, group: Sequence[int], nbytes: float) -> float:
     """An all-to-all over chips that are not a box: every message routed dimension by dimension (ties the positive
     way), each link's messages counted, each message at its busiest link's share plus its hops' latency; the
     slowest message is the time. Counted with array arithmetic, axis by axis and hop by hop (what
-    :func:`course_lib.linksim.simulate` does message by message, and is tested against)."""
+    :func:`course_lib.cluster.linksim.simulate` does message by message, and is tested against)."""
     shape = np.array(topology.shape)
     coords = np.array([topology.coords(g) for g in group])
     n = len(group)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from course_lib import trace
+from course_lib.ledgers import trace
 
 ReduceOp = dist.ReduceOp
 Group = dist.ProcessGroup | None  # None: the whole world

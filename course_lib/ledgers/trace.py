@@ -109,7 +109,7 @@ def _next_segment() -> None:
 
 
 def issued(record: int) -> None:
-    """Program order: comm record ``record`` was issued here (called by :mod:`course_lib.comm`)."""
+    """Program order: comm record ``record`` was issued here (called by :mod:`course_lib.ledgers.comm`)."""
     _next_segment()
     _TIMELINE.program.append(Issue(record))
 

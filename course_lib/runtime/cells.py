@@ -9,11 +9,11 @@
     %ranks ledger                   every cell's collectives so far, per rank
     %ranks stop
 
-The ranks are the launcher's (:mod:`course_lib.launch`, with the plumbing of :mod:`course_lib.runtime.ranks`):
+The ranks are the launcher's (:mod:`course_lib.runtime.launch`, with the plumbing of :mod:`course_lib.runtime.ranks`):
 forked from its forkserver, joined in a gloo (or NCCL) group at a file store, each reporting the collective it is in
 through the same shared status the launcher's hang report reads, and recording every collective in the comm ledger
-(:mod:`course_lib.comm`). Each rank runs a loop that reads a message from its pipe (a cell's code, a name to get, a
-value to put), does it in its namespace (where ``rank``, ``world_size``, ``dist``, ``comm`` and ``torch`` are
+(:mod:`course_lib.ledgers.comm`). Each rank runs a loop that reads a message from its pipe (a cell's code, a name to
+get, a value to put), does it in its namespace (where ``rank``, ``world_size``, ``dist``, ``comm`` and ``torch`` are
 ready) and answers on the same pipe with what the cell printed, the value of its last expression, its traceback if
 it raised, the figures it left open (drawn with matplotlib's Agg backend, sent as PNG and closed) and the ledger
 records it added.
@@ -47,8 +47,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, launch
-from course_lib.forkserver import RANK_NAME, context
+from course_lib.ledgers import comm
+from course_lib.runtime import launch
+from course_lib.runtime.forkserver import RANK_NAME, context
 from course_lib.runtime.ranks import (
     RankState,
     cores,

@@ -128,8 +128,7 @@ def test_files_and_functions_are_short(name):
 
 def test_the_short_names_still_work():
     """README: ``from course_lib import launch, comm`` (lazy: importing course_lib imports no torch)."""
-    from course_lib.ledgers import comm, trace
-    from course_lib.runtime import launch
+    from course_lib import comm, launch, trace
     from course_lib.ledgers import comm as ledger_comm
     from course_lib.ledgers import trace as ledger_trace
     from course_lib.runtime import launch as runtime_launch

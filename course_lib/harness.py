@@ -194,8 +194,8 @@ def run_scheme(
     """Train with ``scheme`` on ``world_size`` ranks and compare with :func:`train_reference`, the ranks computing
     on ``device`` (``cpu`` or ``cuda``; default: CUDA under NCCL, else the CPU, as
     :func:`course_lib.runtime.launch.compute_device` says: gloo ranks on ``cuda`` share the GPUs there are); with
-    ``hardware`` (a profile of :mod:`course_lib.hardware`), also replay the last step on that modeled cluster; with
-    ``topology`` too (a :class:`course_lib.cluster.topology.Topology` or a profile such as ``"h100-superpod"`` or
+    ``hardware`` (a profile of :mod:`course_lib.cluster.profiles`), also replay the last step on that modeled cluster;
+    with ``topology`` too (a :class:`course_lib.cluster.topology.Topology` or a profile such as ``"h100-superpod"`` or
     ``"tpu-v5p:4x4x4"``), time its collectives on that topology's links, with ``algorithm`` forced where it can run
     (:func:`course_lib.cluster.clock.replay`), the mesh's axes on the topology's levels as ``placement`` says (such as
     ``"tp/pp,dp"``, :mod:`course_lib.cluster.placement`; default: rank r on GPU r). ``patch`` =

@@ -47,8 +47,7 @@ ALWAYS_SHOWN_AXES = ("dp", "tp", "pp")  # in memory's summary line; cp and ep on
 
 def _memory_model(args) -> tuple[float, dict, str]:
     """The parameter count, the memory shape (:meth:`course_lib.planner.presets.Model.memory_shape` keys) and a name,
-    from
-    ``--preset`` or from the flags."""
+    from ``--preset`` or from the flags."""
     from course_lib.planner.presets import make_model
 
     if args.preset is not None:

@@ -1,4 +1,4 @@
-"""The links the planner times its groups' traffic on (:mod:`course_lib.plan`).
+"""The links the planner times its groups' traffic on (:mod:`course_lib.planner`).
 
 By default, the modeled clock's two levels (lessons 00 and 06): nodes of ``gpus_per_node`` GPUs with the hardware
 profile's NVLink and network rates, every collective a ring on its group's slowest link, as

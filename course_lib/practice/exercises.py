@@ -1,4 +1,4 @@
-"""The pick-the-parallelism exercise, graded by reasoning from the planner's numbers (:mod:`course_lib.plan`).
+"""The pick-the-parallelism exercise, graded by reasoning from the planner's numbers (:mod:`course_lib.planner`).
 
 A student names a scheme in words or sizes; :func:`course_lib.practice.answers.parse` reads it into an
 :class:`~course_lib.practice.answers.Answer` (the reading rules are that module's), :func:`grade` answers with a

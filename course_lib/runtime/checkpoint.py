@@ -23,8 +23,7 @@ before its first step and saves after each optimizer step that :meth:`Checkpoint
 with :func:`save` while training waits, or with ``CheckpointPlan.asynchronous`` in the background, as
 ``dcp.async_save`` does), reading the :class:`CheckpointPlan` that :func:`planned` makes active in the rank's process
 (as :mod:`course_lib.runtime.faults` passes a fault), so no scheme carries checkpoint code. The harness builds the plan
-with
-:func:`plan_for`, which refuses a bad resume before any rank starts.
+with :func:`plan_for`, which refuses a bad resume before any rank starts.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def wrap(
     faults: FaultSettings,
     saving: CheckpointSettings,
     in_process: bool,
-) -> tuple[Callable, checkpoint.Plan | None]:
+) -> tuple[Callable, checkpoint.CheckpointPlan | None]:
     """The scheme's rank function with what this run adds, innermost first: the swapped component, the checkpoint
     plan (:func:`course_lib.runtime.checkpoint.planned`), the fault (:func:`course_lib.runtime.faults.injected`);
     and the plan."""
@@ -300,7 +300,7 @@ def _check_fault(
     fault: Fault,
     world_size: int,
     train: TrainConfig,
-    plan: checkpoint.Plan | None,
+    plan: checkpoint.CheckpointPlan | None,
     asynchronous: bool,
     in_process: bool,
 ) -> None:
@@ -364,7 +364,7 @@ def report_run(
     train: TrainConfig,
     result: launch.RunResult,
     reference: TrainResult,
-    plan: checkpoint.Plan | None,
+    plan: checkpoint.CheckpointPlan | None,
     options: dict,
     in_process: bool,
 ) -> dict:
@@ -427,7 +427,7 @@ def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:
     return ranks
 
 
-def _checkpoint_notes(plan: checkpoint.Plan | None, result: launch.RunResult) -> dict:
+def _checkpoint_notes(plan: checkpoint.CheckpointPlan | None, result: launch.RunResult) -> dict:
     """The report's ``resumed_from`` and ``checkpoints`` entries, when the run resumed or saved."""
     notes: dict = {}
     if plan is not None and plan.resume is not None:

@@ -17,7 +17,7 @@ from course_lib.planner.reasons import published_candidate
 from course_lib.planner.search import plan
 
 H800, H100 = get_profile("h800"), get_profile("h100")
-ATTENTION_RATE = 989e12 * 0.35  # bf16 peak (H100 = H800) at FlashAttention-2's 35% (hardware.ATTENTION_EFFICIENCY)
+ATTENTION_RATE = 989e12 * 0.35  # bf16 peak (H100 = H800) at FlashAttention-2's 35% (profiles.ATTENTION_EFFICIENCY)
 
 
 def run_json(capsys, *argv):

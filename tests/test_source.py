@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from course_lib.parallel import data, tensor
+from course_lib.parallel import data, tensor, tensor_layers
 from course_lib.ui.source import Code, show_code
 
 
@@ -22,7 +22,8 @@ def test_shows_the_current_source_under_its_file_and_lines():
 
 
 def test_several_objects_and_a_partial_show_each_in_order():
-    code = show_code(tensor.ColumnParallelLinear.forward, functools.partial(tensor.train_tensor_parallel, sp=True))
+    column_forward = tensor_layers.ColumnParallelLinear.forward
+    code = show_code(column_forward, functools.partial(tensor.train_tensor_parallel, sp=True))
     assert [w.rsplit(": ", 1)[1] for w in code.where] == ["ColumnParallelLinear.forward", "train_tensor_parallel"]
     assert code.text.index("def forward") < code.text.index("def train_tensor_parallel")
 

@@ -49,7 +49,8 @@ def _precision_lines(report: dict) -> list[str]:
     lines = [
         f"  {p['convention']} precision, {p['half']}: weights {b['params']} + gradients {b['grads']} + master "
         f"{b['master']} + moments {b['moments']} = {b['params'] + b['grads'] + b['optimizer']} bytes per parameter",
-        f"    (memory.PRECISIONS[{p['convention']!r}]); rank 0 holds {held:.2f} bytes of model states per parameter",
+        f"    (model.config.PRECISIONS[{p['convention']!r}]); rank 0 holds {held:.2f} bytes of model states per "
+        "parameter",
         f"  fp32 losses      {[round(x, 6) for x in p['fp32_losses']]}",
         f"  max |loss diff| vs fp32 {p['max_abs_loss_diff_vs_fp32']:.3e} (tolerance {p['tolerance_vs_fp32']:.0%} of "
         f"the loss{'; the skipped steps trained nothing' if skipped else ''})",

@@ -1,6 +1,6 @@
-"""The check of the 1F1B exercise (:func:`course_lib.practice.write_it.one_f_one_b`): the table's cells, each microbatch
-once per stage, the dependencies in time, the course's schedule checker (:func:`course_lib.parallel.schedules.check`),
-1F1B's memory (at most p-s microbatches in flight on stage s) and the course's simulator: each op at its earliest
+"""The check of the 1F1B exercise (:func:`course_lib.practice.write_it.one_f_one_b`): the table's cells, each
+microbatch once per stage, the dependencies in time, the course's schedule checker
+(:func:`course_lib.parallel.schedule_sim.check`), 1F1B's memory (at most p-s microbatches in flight on stage s) and the course's simulator: each op at its earliest
 step, the bubble (p-1)/(m+p-1) (PipeDream-Flush: Narayanan et al. 2021, §2).
 """
 
@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 
 from course_lib.parallel import schedules
+from course_lib.parallel.schedule_sim import Simulation, check, simulate
 from course_lib.practice.write_it_check import Feedback, call_student, hint_for_error, over_cases
 
 SCHEDULE = "1F1B table"
@@ -93,7 +94,7 @@ def _memory(cells: list[list], p: int, m: int) -> str:
     return ""
 
 
-def _earliest(cells: list[list], sim: schedules.Simulation) -> str:
+def _earliest(cells: list[list], sim: Simulation) -> str:
     """The first op that runs later than its input and its stage allow (the simulator's start of the same order)."""
     start = {(s, a.kind, a.microbatch): int(t0) for s, busy in enumerate(sim.busy) for t0, _, a in busy}
     for t, s, (kind, i) in _in_time_order(cells):
@@ -123,10 +124,10 @@ def _schedule_problem(table: object, p: int, m: int) -> tuple[str, str, dict]:
     orders = [[(kind, i, 0) for _, (kind, i) in sorted((steps[s][op][0], op) for op in steps[s])] for s in range(p)]
     tables = schedules.tables_from_orders("1f1b", p, orders)
     try:
-        schedules.check(tables, m)
+        check(tables, m)
     except ValueError as error:
         return "the course's schedule checker refuses the table", str(error), {}
-    sim = schedules.simulate(tables, schedules.Costs(1.0, 1.0, 0.0))
+    sim = simulate(tables, schedules.Costs(1.0, 1.0, 0.0))
     length = 1 + max(t for row in cells for t, op in enumerate(row) if op is not None)
     bubble, formula = 1 - 2 * m / length, schedules.bubble_formula("1f1b", p, m)
     numbers = {"steps": length, "bubble": bubble, "formula": formula, "peak": sim.peak_inflight}
@@ -142,7 +143,7 @@ def _schedule_problem(table: object, p: int, m: int) -> tuple[str, str, dict]:
 
 def _first_idle_step(cells: list[list], p: int, m: int) -> str:
     """The first (step, stage) where the table idles and the course's 1F1B table works."""
-    reference = schedules.simulate(schedules.generate("1f1b", p, m), schedules.Costs(1.0, 1.0, 0.0))
+    reference = simulate(schedules.generate("1f1b", p, m), schedules.Costs(1.0, 1.0, 0.0))
     t, s, a = min(
         (int(t0), s, a)
         for s, busy in enumerate(reference.busy)

@@ -262,7 +262,7 @@ Solved = tuple[float, list[str], Callable[[float], _Judged]]  # the right value,
 def _solve_nodes(scenario_id: str) -> Solved:
     s = _scenarios()[scenario_id]
     per_node, stage = s["gpus_per_node"], s["gpus"] // s["pp"]
-    # A stage's ranks placed on whole nodes, in the course's order; its EP groups as plan.groups makes them.
+    # A stage's ranks placed on whole nodes, in the course's order; its EP groups as planner.layouts.groups makes them.
     ep_groups = groups(1, 1, stage, 1, s["ep"])["ep"]
     nodes = max(len({r // per_node for r in g}) for g in ep_groups)
     working = [

@@ -1,7 +1,8 @@
 """The check of the 1F1B exercise (:func:`course_lib.practice.write_it.one_f_one_b`): the table's cells, each
 microbatch once per stage, the dependencies in time, the course's schedule checker
-(:func:`course_lib.parallel.schedule_sim.check`), 1F1B's memory (at most p-s microbatches in flight on stage s) and the course's simulator: each op at its earliest
-step, the bubble (p-1)/(m+p-1) (PipeDream-Flush: Narayanan et al. 2021, §2).
+(:func:`course_lib.parallel.schedule_sim.check`), 1F1B's memory (at most p-s microbatches in flight on stage s)
+and the course's simulator: each op at its earliest step, the bubble (p-1)/(m+p-1)
+(PipeDream-Flush: Narayanan et al. 2021, §2).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ UNREADABLE = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("answer", UNREADABLE, ids=lambda a: repr(a)[:24])
+@pytest.mark.parametrize("answer", UNREADABLE, ids=lambda a: repr(a)[:24] if type(a) is not object else "object()")
 def test_unreadable_answers_get_feedback(answer):
     for s in load()["scenarios"]:
         f = grade(s["id"], answer)

@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: lab demo test lint html clean
+.PHONY: lab demo test test-slow lint html clean
 
 # (Re)create the virtual environment whenever the pinned dependencies change.
 $(STAMP): pyproject.toml jupyter-config/ipython_kernel_config.py
@@ -25,9 +25,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check course_lib tests benchmarks
 
-# One pytest run: the library's tests, then every lesson under nbval (each cell must run without error).
+# One pytest run: the library's tests, then every lesson under nbval (each cell must run without error). The
+# exhaustive sweeps (marked slow: every path they take is also in the default set) are make test-slow's; CI runs both.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider tests notebooks
+	$(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-current-env --nbval-cell-timeout=120 -p no:cacheprovider tests notebooks
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests
 
 # Every lesson executed and checked, written as a static site to read without a kernel: out/html/index.html.
 html: $(STAMP)

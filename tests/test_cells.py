@@ -97,7 +97,8 @@ class Kernel:
 @pytest.fixture(scope="module")
 def kernel():
     k = Kernel()
-    k.ok("%load_ext course_lib\nfrom course_lib import comm, launch\nfrom course_lib.runtime import cells\nimport torch")
+    k.ok("%load_ext course_lib\nfrom course_lib import comm, launch\nfrom course_lib.runtime import cells\n"
+         "import torch")
     k.baseline = k.live_descendants()  # the forkserver, started when course_lib loaded
     out = k.ok(f"%ranks start {WORLD} --timeout 10")
     assert f"{WORLD} ranks up (gloo)" in out

@@ -49,10 +49,10 @@ def plot_router_balance(loads: Mapping[float, Sequence[float]], experts: int, to
     for alpha, load in loads.items():
         ax.plot(load, label=f"alpha = {alpha}")
     collapsed = experts / top_k
-    steps = max(len(load) for load in loads.values())
     ax.axhline(collapsed, color="0.5", ls=":", lw=1)
-    ax.text(steps / 2, collapsed - 0.08, f"collapsed: every token to the same {top_k} of {experts} experts",
-            fontsize=8, va="top", ha="center")  # fmt: skip
+    ax.text(0, collapsed + 0.04, f"collapsed: every token to the same {top_k} of {experts} experts", fontsize=8,
+            va="bottom", ha="left")  # fmt: skip
+    ax.set_ylim(top=collapsed + 0.35)
     ax.set_xlabel("training step")
     ax.set_ylabel("busiest expert / mean load")
     ax.set_title("Without enough balancing loss the router collapses onto a few experts", fontsize=10)
@@ -76,11 +76,10 @@ def plot_goodput_curve(
     runs = simulated[0].runs if simulated else 0
     ax.errorbar([t / 60 for t in probes_s], [s.mean for s in simulated], yerr=[2 * s.stderr for s in simulated],
                 fmt="o", color="black", label=f"simulated failures ({runs} runs, 2 standard errors)")  # fmt: skip
-    ax.axvline(daly_s / 60, color="0.5", ls=":", lw=1)
-    ax.text(daly_s / 60 * 1.05, float(np.min(expected)), f"Daly: {daly_s / 60:.1f} min", fontsize=8)
+    ax.axvline(daly_s / 60, color="0.5", ls=":", lw=1, label=f"Daly's interval, {daly_s / 60:.1f} min")
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (minutes of work)")
     ax.set_ylabel("goodput (useful fraction)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower center")
+    ax.legend(fontsize=8, loc="lower left")
     return fig

@@ -157,7 +157,9 @@ def test_prompts_state_the_numbers_the_grader_uses():
     v3, llama = make_model(preset="deepseek-v3"), make_model(preset="llama3-405b-128k")
     stated = {
         "ep-nodes": ["2,048", "8 per node", "PP 16", "EP 64"],
-        "ep-bytes": [f"{v3.seq:,} tokens", f"top-{v3.experts.top_k}", f"{v3.hidden:,} values", "FP8", "1 byte", "64 ranks"],
+        "ep-bytes": [
+            f"{v3.seq:,} tokens", f"top-{v3.experts.top_k}", f"{v3.hidden:,} values", "FP8", "1 byte", "64 ranks",
+        ],
         "cp": [f"{llama.seq:,} tokens", "8,192", "TP 8", "PP 16", "ZeRO-2", "80 GB", "no activation recomputation"],
         "interval": [
             "16,384", "2 GB/s", "1 TB/s", f"{LLAMA3.unexpected} unexpected", f"{LLAMA3.days} days", "10 minutes",

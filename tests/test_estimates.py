@@ -16,7 +16,7 @@ from course_lib.planner.presets import make_model
 from course_lib.practice.estimates import VERDICTS, grade, load, model_answers, read
 
 RIGHT, CLOSE, WRONG = "right", "close", "wrong"
-SENT = 4096 * 8 * 7168 * 2 * 63 / 64  # DeepSeek-V3: tokens x top-8 x hidden x bf16, 63/64 leaving the rank
+SENT = 4096 * 8 * 7168 * 1 * 63 / 64  # DeepSeek-V3: tokens x top-8 x hidden x FP8 (§3.3), 63/64 leaving the rank
 
 # (scenario, answer, verdict, a piece of the feedback: the number or slip that decides)
 TABLE = [
@@ -30,21 +30,22 @@ TABLE = [
     ("ep-nodes", "7.5", WRONG, "a whole number of at least 1, not 7.5"),
     ("ep-nodes", 0, WRONG, "not 0"),
     # ep-bytes: right within 1%, close within 10%
-    ("ep-bytes", "462,422,016 bytes", RIGHT, "0.0% below 462,422,016: within 1%"),
-    ("ep-bytes", "4.6e8", RIGHT, "460,000,000 bytes is 0.5% below"),
-    ("ep-bytes", "0.46 GB", RIGHT, "from 0.46 GB"),
-    ("ep-bytes", "441 MiB", RIGHT, "from 441 MiB"),
-    ("ep-bytes", "4096 x 8 x 7168 x 2 x 63/64 = 462.4 MB", RIGHT, "Read as 462,400,000 bytes"),
+    ("ep-bytes", "231,211,008 bytes", RIGHT, "0.0% below 231,211,008: within 1%"),
+    ("ep-bytes", "2.3e8", RIGHT, "230,000,000 bytes is 0.5% below"),
+    ("ep-bytes", "0.23 GB", RIGHT, "from 0.23 GB"),
+    ("ep-bytes", "220.5 MiB", RIGHT, "from 220.5 MiB"),
+    ("ep-bytes", "4096 x 8 x 7168 x 1 x 63/64 = 231.2 MB", RIGHT, "Read as 231,200,000 bytes"),
     ("ep-bytes", SENT, RIGHT, "within 1%"),
-    ("ep-bytes", "about 470 MB", CLOSE, "all 8 copies of each token; 1.56% of them go to the rank's own experts"),
-    ("ep-bytes", "441 MB", CLOSE, "the answer in MiB (2^20 bytes) written as MB"),
-    ("ep-bytes", 4000 * 8 * 7168 * 2 * 63 / 64, CLOSE, "2.3% below"),
-    ("ep-bytes", "925 MB", WRONG, "4 bytes a value (fp32), or dispatch and combine together"),
-    ("ep-bytes", "231 MB", WRONG, "1 byte a value, FP8"),
-    ("ep-bytes", "58 MB", WRONG, "one copy a token"),
-    ("ep-bytes", "520 MB", WRONG, "the shared expert"),
-    ("ep-bytes", "3.7e9", WRONG, "bits, not bytes"),
-    ("ep-bytes", "-462 MB", WRONG, "more than the 10% that counts as close"),
+    ("ep-bytes", "about 235 MB", CLOSE, "all 8 copies of each token; 1.56% of them go to the rank's own experts"),
+    ("ep-bytes", "220.5 MB", CLOSE, "the answer in MiB (2^20 bytes) written as MB"),
+    ("ep-bytes", 4000 * 8 * 7168 * 63 / 64, CLOSE, "2.3% below"),
+    ("ep-bytes", "462 MB", WRONG, "2 bytes a value (bf16), as the combine returns"),
+    ("ep-bytes", "694 MB", WRONG, "dispatch and combine together"),
+    ("ep-bytes", "925 MB", WRONG, "4 bytes a value (fp32)"),
+    ("ep-bytes", "29 MB", WRONG, "one copy a token"),
+    ("ep-bytes", "260 MB", WRONG, "the shared expert"),
+    ("ep-bytes", "1.85e9", WRONG, "bits, not bytes"),
+    ("ep-bytes", "-231 MB", WRONG, "more than the 10% that counts as close"),
     # cp: the smallest degree that fits; the next one up close
     ("cp", "CP 16", RIGHT, "CP 16 needs 79.2 GB per GPU, within 80 GB"),
     ("cp", 16, RIGHT, "CP 8 needs 150.8 GB"),
@@ -102,7 +103,7 @@ def test_model_answers_are_right():
 # ------------------------------------------------------------------------------------------------ the numbers
 def test_expected_values_match_the_papers_and_the_hand_count():
     assert grade("ep-nodes", 8).expected == 8  # DeepSeek-V3 §3.2: "64-way EP spanning 8 nodes"
-    assert grade("ep-bytes", 1).expected == SENT == 462_422_016
+    assert grade("ep-bytes", 1).expected == SENT == 231_211_008
     assert grade("cp", 1).expected == 16  # Llama 3 Table 4: CP 16 at 128K
 
 
@@ -156,7 +157,9 @@ def test_prompts_state_the_numbers_the_grader_uses():
     v3, llama = make_model(preset="deepseek-v3"), make_model(preset="llama3-405b-128k")
     stated = {
         "ep-nodes": ["2,048", "8 per node", "PP 16", "EP 64"],
-        "ep-bytes": [f"{v3.seq:,} tokens", f"top-{v3.experts.top_k}", f"{v3.hidden:,} values", "2 bytes", "64 ranks"],
+        "ep-bytes": [
+            f"{v3.seq:,} tokens", f"top-{v3.experts.top_k}", f"{v3.hidden:,} values", "FP8", "1 byte", "64 ranks",
+        ],
         "cp": [f"{llama.seq:,} tokens", "8,192", "TP 8", "PP 16", "ZeRO-2", "80 GB", "no activation recomputation"],
         "interval": [
             "16,384", "2 GB/s", "1 TB/s", f"{LLAMA3.unexpected} unexpected", f"{LLAMA3.days} days", "10 minutes",

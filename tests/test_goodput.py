@@ -17,9 +17,11 @@ from course_lib.planner.goodput import (
     choose_interval,
     cluster_mtbf,
     daly_interval,
+    deduplicated_checkpoint_bytes,
     expected_goodput,
     job_mtbf,
     simulate_goodput,
+    training_state_bytes,
     young_interval,
 )
 from course_lib.planner.reasons import published_candidate
@@ -208,6 +210,31 @@ def test_choose_interval_for_llama3_405b_on_16k_gpus():
     )
     assert a.daly_s == pytest.approx(daly_interval(6.3, a.mtbf_job_s)) and a.daly_s < c.daly_s
     assert a.goodput > c.goodput + 0.05
+
+
+def test_lesson_08_interval_is_the_deduplicated_checkpoints():
+    """Lesson 08's section 5 times the checkpoint its section 2 describes: DCP writes each tensor once, spread over
+    the ranks, so a rank writes the training state (14 bytes a parameter in mixed precision: bf16 weights, fp32
+    master weights and two moments) over 16,384, not its whole replica (7.12 GB, a 58 s write, 18 min, 85%)."""
+    state = training_state_bytes("llama3-405b")
+    assert state["params"] == 2 * LLAMA3_405B and state["optimizer"] == 12 * LLAMA3_405B
+    assert training_state_bytes("llama3-405b", "fp32")["total"] == 12 * LLAMA3_405B  # lesson 08 section 2's count
+    share = deduplicated_checkpoint_bytes("llama3-405b", 16_384)
+    assert share == state["total"] / 16_384 == 346_798_550  # about 0.35 GB a rank
+    c = choose_interval(
+        "llama3-405b", 16_384, LLAMA3.mtbf_gpu_hours() * HOUR, 2e9, 600, storage_bandwidth=2e12, deduplicate=True
+    )
+    assert c.checkpoint_bytes == share
+    assert c.checkpoint_s == pytest.approx(share * 16_384 / 2e12) == pytest.approx(2.841, abs=1e-3)
+    assert c.daly_s == pytest.approx(daly_interval(c.checkpoint_s, c.mtbf_job_s))
+    assert 4.1 < c.daly_s / MINUTE < 4.3 and 0.92 < c.goodput < 0.94
+    whole = choose_interval("llama3-405b", 16_384, LLAMA3.mtbf_gpu_hours() * HOUR, 2e9, 600, storage_bandwidth=2e12)
+    assert whole.checkpoint_bytes == 7_120_406_240 and not 4.1 < whole.daly_s / MINUTE < 4.3  # the slip it fixed
+    # in every layout of the 16,384 GPUs the share is the same: the state once, over all ranks
+    for layout in (Layout(8, 16, 128, 1, 16), Layout(1, 1, 16_384, 0, 1), Layout(8, 1, 2048, 3, 1)):
+        assert checkpoint_bytes_per_rank("llama3-405b", layout, deduplicate=True)["total"] == share
+    with pytest.raises(ValueError, match="gpus must be a whole number"):
+        deduplicated_checkpoint_bytes("llama3-405b", 0)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

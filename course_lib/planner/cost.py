@@ -194,14 +194,14 @@ def cp_comm_exposed(model: Model, c: Candidate, micro_batch: int, net: Network, 
     return model.layers / c.pp * c.microbatches * 3 * (c.cp - 1) * max(0.0, comm - compute)
 
 
-def dispatch_bytes(model: Model, c: Candidate | Layout, micro_batch: int) -> float:
+def dispatch_bytes(model: Model, c: Candidate | Layout, micro_batch: int, value_bytes: float = 2) -> float:
     """What one rank hands one of expert parallelism's all-to-alls (dispatch or combine) for one microbatch, in
     bytes (:mod:`course_lib.ledgers.comm`'s S): its tokens, b x s / (cp x tp) (sequence parallelism and CP split them),
-    top_k copies each, h 16-bit values a copy (GShard, Lepikhin et al. 2021, §3.2). Under uniform routing
-    (ep-1)/ep of it leaves the rank (:func:`course_lib.ledgers.comm.ring_factor`). DeepSeek-V3 dispatches in FP8, half
-    of this (§3.3)."""
+    top_k copies each, h values a copy of ``value_bytes`` each (GShard, Lepikhin et al. 2021, §3.2): 2 in bf16, what
+    the planner assumes both ways; DeepSeek-V3 dispatches in FP8, 1 byte, and combines in BF16, 2 (§3.3). Under
+    uniform routing (ep-1)/ep of it leaves the rank (:func:`course_lib.ledgers.comm.ring_factor`)."""
     tokens = micro_batch * model.seq / (c.cp * c.tp)
-    return 2 * tokens * model.experts.top_k * model.hidden
+    return value_bytes * tokens * model.experts.top_k * model.hidden
 
 
 def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:

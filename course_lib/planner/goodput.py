@@ -11,8 +11,9 @@ fraction of wall time that became committed work:
 * :func:`simulate_goodput`: the same run walked on a modeled clock against random failure times, to check it;
 * :func:`cluster_mtbf`, :func:`job_mtbf`, :data:`LLAMA3`: where ``M`` comes from (Llama 3's 54 days on 16,384
   GPUs, Grattafiori et al. 2024, §3.3.4 and Table 5);
-* :func:`checkpoint_bytes_per_rank`, :func:`checkpoint_seconds`: where ``delta`` comes from (the memory model's
-  parameters and optimizer states per rank, over a write bandwidth);
+* :func:`training_state_bytes`, :func:`deduplicated_checkpoint_bytes`, :func:`checkpoint_bytes_per_rank`,
+  :func:`checkpoint_seconds`: where ``delta`` comes from (the parameters and optimizer states a checkpoint holds,
+  each rank's share of the write, over a write bandwidth);
 * :func:`choose_interval`: all of it for one model on one cluster, the lesson's worked example.
 """
 
@@ -348,20 +349,45 @@ def checkpoint_bytes_per_rank(
 
     ``deduplicate``: what the rank writes when each replicated tensor is written by only one of its replicas and
     the writes are spread evenly (``torch.distributed.checkpoint`` deduplicates replicas; Megatron's fully
-    parallel save spreads them over the data-parallel ranks): the whole model's states over all ranks, as if every
-    state were sharded (ZeRO-3) over the replicas."""
+    parallel save spreads them over the data-parallel ranks): :func:`training_state_bytes` over the layout's
+    ranks, each part (:func:`deduplicated_checkpoint_bytes`). Without it, the rank's whole holding: what a save
+    in which every rank writes all it holds (replicas included) would write."""
     m = make_model(preset=model) if isinstance(model, str) else model
-    zero = 3 if deduplicate else layout.zero
-    # deduplicated, every rank writes an even share; else the busiest rank's (its stage's embedding included)
-    where = {} if deduplicate or not m.vocab else stage_shape(m.vocab, m.hidden, m.layers, m.tied, m.norm)
+    if deduplicate:  # every rank writes an even share of the state, held once
+        ranks = layout.tp * layout.pp * layout.dp * getattr(layout, "cp", 1)
+        state = training_state_bytes(m, precision)
+        return {part: nbytes / ranks for part, nbytes in state.items()}
+    # else the busiest rank's whole holding (its stage's embedding included)
+    where = stage_shape(m.vocab, m.hidden, m.layers, m.tied, m.norm) if m.vocab else {}
     states = model_state_formula(
-        m.params, precision, zero, layout.dp, layout.tp, layout.pp, m.expert_params, layout.ep, layout.cp, **where
-    )
+        m.params, precision, layout.zero, layout.dp, layout.tp, layout.pp, m.expert_params, layout.ep, layout.cp,
+        **where,
+    )  # fmt: skip
     return {
         "params": states["params"],
         "optimizer": states["optimizer"],
         "total": states["params"] + states["optimizer"],
     }
+
+
+def training_state_bytes(model: Model | str, precision: str = "mixed") -> dict[str, float]:
+    """The training state a checkpoint holds, each tensor once, whatever the layout: every parameter at the
+    model's width and its optimizer states (:func:`course_lib.model.formulas.model_state_formula` on one device).
+    Mixed precision: 2 bytes of bf16 weights and 12 of fp32 master weights and AdamW's two moments, 14 bytes a
+    parameter; ``fp32``: 4 + 8 = 12. Not gradients (the next step recomputes them) nor activations."""
+    m = make_model(preset=model) if isinstance(model, str) else model
+    states = model_state_formula(m.params, precision)
+    return {"params": states["params"], "optimizer": states["optimizer"],
+            "total": states["params"] + states["optimizer"]}  # fmt: skip
+
+
+def deduplicated_checkpoint_bytes(model: Model | str, gpus: int, precision: str = "mixed") -> float:
+    """Bytes each of ``gpus`` ranks writes to a distributed checkpoint that stores every tensor once and spreads
+    the writes evenly (PyTorch's DCP deduplicates replicated tensors; Megatron's fully parallel save spreads them
+    over the data-parallel ranks): :func:`training_state_bytes` over ``gpus``, in every layout."""
+    if not (isinstance(gpus, int | np.integer) and gpus >= 1):
+        raise ValueError(f"gpus must be a whole number of at least 1, not {gpus!r}")
+    return training_state_bytes(model, precision)["total"] / gpus
 
 
 def checkpoint_seconds(

@@ -13,12 +13,13 @@ The scenarios, by the kind of number they ask for:
   2024, §3.2: "64-way Expert Parallelism (EP) spanning 8 nodes"), each pipeline stage on whole nodes and an EP
   group ``ep`` consecutive ranks of its stage (:func:`course_lib.planner.layouts.groups`). A count, right only if exact;
   the usual slips (the group's GPUs, a stage's nodes) are named.
-* ``bytes``: what one rank sends in one dispatch all-to-all for a microbatch: tokens x top-k x hidden x 2 bytes
-  (bf16) x (ep-1)/ep, the copies that leave the rank under uniform routing
+* ``bytes``: what one rank sends in one dispatch all-to-all for a microbatch: tokens x top-k x hidden x 1 byte
+  (FP8, as DeepSeek-V3 dispatches; it combines in BF16, §3.3) x (ep-1)/ep, the copies that leave the rank under
+  uniform routing
   (:func:`course_lib.planner.cost.dispatch_bytes`,
   :func:`course_lib.ledgers.comm.ring_factor`). Right within 1%, because leaving out the (ep-1)/ep moves it by 1.6%;
-  close within 10% (MiB read as MB, 4,000 tokens for 4,096); factors of 2 or 8 (fp32, FP8, dispatch and combine,
-  no top-k, bits) are named.
+  close within 10% (MiB read as MB, 4,000 tokens for 4,096); factors of 2 to 8 (bf16, dispatch and combine
+  together, fp32, no top-k, bits) are named.
 * ``cp``: the smallest context-parallel degree that fits Llama 3 405B's 131,072-token sequences at TP 8 x PP 16 in
   a GPU's memory (Grattafiori et al. 2024, §3.3.2 and Table 4, where it is 16), among the degrees the planner
   considers (:func:`course_lib.planner.layouts.cp_degrees`), by the memory model
@@ -295,20 +296,22 @@ def _solve_bytes(scenario_id: str) -> Solved:
     s = _scenarios()[scenario_id]
     model = make_model(preset=s["preset"])
     layout = Layout(tp=s["tp"], pp=1, dp=s["ep"], zero=0, microbatches=1, cp=s["cp"], ep=s["ep"])  # TP, CP count
-    handed = dispatch_bytes(model, layout, s["micro_batch"])
+    handed = dispatch_bytes(model, layout, s["micro_batch"], s["value_bytes"])
     leave = ring_factor("all_to_all", s["ep"])
     sent = handed * leave
     tokens, k, h = s["micro_batch"] * model.seq // (s["tp"] * s["cp"]), model.experts.top_k, model.hidden
     working = [
-        f"A rank's {tokens:,} tokens x top-{k} x {h:,} values x 2 bytes (bf16) = {handed:,.0f} bytes handed to the "
+        f"A rank's {tokens:,} tokens x top-{k} x {h:,} values x {s['value_bytes']} byte (FP8) = {handed:,.0f} bytes "
+        "handed to the "
         f"all-to-all; under uniform routing ({s['ep']}-1)/{s['ep']} of the copies go to other ranks: "
         f"{handed:,.0f} x {s['ep'] - 1}/{s['ep']} = {sent:,.0f} bytes ({sent / 1e6:.0f} MB) sent.",
     ]
     slips = [
         (handed, f"That is all {k} copies of each token; {1 - leave:.2%} of them go to the rank's own experts"),
         (sent * 1e6 / 2**20, "That is the answer in MiB (2^20 bytes) written as MB"),
-        (2 * sent, "That is twice it: 4 bytes a value (fp32), or dispatch and combine together"),
-        (sent / 2, "That is half of it: 1 byte a value, FP8, as DeepSeek-V3 dispatches (§3.3), but this asks bf16"),
+        (2 * sent, "That is twice it: 2 bytes a value (bf16), as the combine returns; DeepSeek-V3 dispatches in FP8"),
+        (3 * sent, "That is dispatch and combine together: 1 byte a value out (FP8), 2 back (BF16)"),
+        (4 * sent, "That is 4 bytes a value (fp32)"),
         (sent / k, f"That is one copy a token; each token goes to its top-{k} experts"),
         (sent * (k + 1) / k, "That counts the shared expert, which runs where the token is and is not sent"),
         (8 * sent, "That is bits, not bytes"),

@@ -19,7 +19,11 @@ PLOT = [
 ]
 PLAIN = [
     new_code_cell("print(6 * 7)", id="prints"),
-    new_code_cell("import ipywidgets\n\nipywidgets.interactive(lambda n: print(n), n=(0, 9))", id="widget"),
+    new_code_cell(
+        "import ipywidgets\nimport matplotlib.pyplot as plt\n\n\ndef bars(n):\n    plt.bar(range(n), range(n))\n"
+        "    plt.show()\n    print(f'drew {n} bars')\n\n\nipywidgets.interactive(bars, n=(0, 9))",
+        id="widget",
+    ),
 ]
 README = (
     "# Course map\n\n| # | notebook |\n|---|---|\n| 10 | `10_plot.ipynb` |\n| 11 | [the plain one](11_plain.ipynb) |\n"
@@ -36,6 +40,13 @@ def lessons(tmp_path: Path, readme: str = README, **cells: list) -> Path:
     return folder
 
 
+def png_images(page: str) -> list[bytes]:
+    """The PNG images embedded in a page, each checked to be one."""
+    images = [base64.b64decode(data) for data in re.findall(r'<img [^>]*src="data:image/png;base64,([^"]+)"', page)]
+    assert all(image.startswith(b"\x89PNG\r\n\x1a\n") for image in images)
+    return images
+
+
 def no_kernel(*args, **kwargs):
     raise AssertionError("a kernel was started")
 
@@ -45,16 +56,17 @@ def test_the_site_runs_each_lesson_embeds_its_figures_and_links_every_page(tmp_p
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     assert site.main([str(tmp_path / "html"), "--notebooks", str(folder)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["10_plot", "11_plain", "index:"]
-    assert lines[0].endswith(" 2 figures") and lines[1].endswith(" 0 figures")  # draw() and the last cell; no def
-    assert lines[2] == f"index: {tmp_path / 'html' / 'index.html'}"
+    assert [line.split()[0] for line in lines] == ["10_plot", "11_plain", "total:", "index:"]
+    assert lines[0].endswith(" 2 figures") and lines[1].endswith(" 1 figure")  # draw() and the last cell; the widget's
+    assert lines[2].startswith("total: 2 lessons in ") and lines[3] == f"index: {tmp_path / 'html' / 'index.html'}"
 
     plot = (tmp_path / "html" / "10_plot.html").read_text()
-    images = re.findall(r'<img [^>]*src="data:image/png;base64,([^"]+)"', plot)
-    assert len(images) == 2 and all(base64.b64decode(image).startswith(b"\x89PNG\r\n\x1a\n") for image in images)
-    assert 'href="index.html"' in plot
+    assert len(png_images(plot)) == 2 and 'href="index.html"' in plot
     plain = (tmp_path / "html" / "11_plain.html").read_text()
-    assert "42" in plain and "<img" not in plain and site.WIDGET_NOTE in plain and site.WIDGET not in plain
+    assert "42" in plain and site.WIDGET_NOTE in plain and site.WIDGET not in plain
+    # The widget's first figure and printed line, as its Output widget held them once the lesson had run (n=4).
+    assert len(png_images(plain)) == 1 and "drew 4 bars" in plain
+    assert plain.index(site.WIDGET_NOTE) < plain.index("<img") < plain.index("drew 4 bars")
 
     index = (tmp_path / "html" / "index.html").read_text()
     assert 'href="10_plot.html"' in index and 'href="11_plain.html"' in index and '.ipynb"' not in index
@@ -104,3 +116,74 @@ def test_an_error_output_fails_the_check_even_where_the_kernel_went_on():
     cell.outputs = [new_output("error", ename="ZeroDivisionError", evalue="division by zero", traceback=[])]
     with pytest.raises(ValueError, match="^10_x: cell tagged raised ZeroDivisionError: division by zero$"):
         site.check(new_notebook(cells=[cell]), "10_x")
+
+
+MAP = """# Course map
+
+Start with `12_core.ipynb`; its [section 2](12_core.ipynb#2-the-schemes) is the heart of it.
+
+| notebook | sections |
+|---|---|
+| `12_core.ipynb` | 1, 2 |
+
+| # | notebook | needs |
+|---|---|---|
+| 12 | `12_core.ipynb` | - |
+| 10 | [the first deep dive](10_deep.ipynb) | 12 |
+| 11b | `11b_extra.ipynb` (after `10_deep.ipynb`) | 10 |
+| 11 | `11_later.ipynb` | 10 |
+
+See also `10_deep.ipynb` and `13_appendix.ipynb`.
+"""
+
+
+def test_pages_follow_the_course_maps_table_with_previous_and_next_links_and_the_index_names_pages(tmp_path):
+    """Course order is the order of the map's main table (the table naming most lessons), not the names' order;
+    a lesson the map names only outside that table comes last. Every link on the pages and the index resolves."""
+    folder = lessons(
+        tmp_path,
+        MAP,
+        **{f"{name}.ipynb": [] for name in ["10_deep", "11_later", "11b_extra", "12_core", "13_appendix"]},
+    )
+    order = ["12_core", "10_deep", "11b_extra", "11_later", "13_appendix"]
+    assert [path.stem for path in site.lessons(folder)] == order
+    out = tmp_path / "html"
+    assert [path.stem for path in site.build(out, folder, execute=False)] == [*order, "index"]
+    for index, name in enumerate(order):
+        page = (out / f"{name}.html").read_text()
+        previous = re.findall(r'<a href="([^"]+)" rel="prev">', page)
+        following = re.findall(r'<a href="([^"]+)" rel="next">', page)
+        assert previous == ([f"{order[index - 1]}.html"] * 2 if index else [])  # at the top and at the bottom
+        assert following == ([f"{order[index + 1]}.html"] * 2 if index + 1 < len(order) else [])
+        assert page.count('<a href="index.html">Course map</a>') == 2
+    index = (out / "index.html").read_text()
+    hrefs = re.findall(r'href="([^"]+)"', index)
+    assert ".ipynb" not in index and {href.split("#")[0] for href in hrefs} == {f"{name}.html" for name in order}
+    assert 'href="12_core.html#2-the-schemes"' in index and "<code>11b_extra.html</code></a>" in index
+    assert all((out / href.split("#")[0]).is_file() for href in hrefs)
+
+
+def test_a_widget_shows_what_its_output_widgets_first_held_and_no_state_is_kept():
+    """From the widget state nbclient stores: the interact box's Output child holds the first figure and text."""
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\nfirst figure").decode()
+    state = {
+        "box": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_slider", "IPY_MODEL_out"]}},
+        "slider": {"model_name": "IntSliderModel", "state": {"value": 3}},
+        "out": {
+            "model_name": "OutputModel",
+            "state": {
+                "outputs": [
+                    {"output_type": "display_data", "metadata": {}, "data": {"image/png": png, "text/plain": "<Fig>"}},
+                    {"output_type": "stream", "name": "stdout", "text": "totals: 1, 2, 3\n"},
+                ]
+            },
+        },
+    }
+    shown = new_output("display_data", data={site.WIDGET: {"model_id": "box"}, "text/plain": "interactive(...)"})
+    cell = new_code_cell("explorer()", id="explorer", execution_count=1, outputs=[shown])
+    nb = new_notebook(cells=[cell], metadata={"widgets": {site.WIDGET_STATE: {"state": state}}})
+    site._static_widgets(nb)
+    assert [output.output_type for output in cell.outputs] == ["display_data", "display_data", "stream"]
+    assert cell.outputs[0].data == {"text/plain": site.WIDGET_NOTE}
+    assert cell.outputs[1].data["image/png"] == png and cell.outputs[2].text == "totals: 1, 2, 3\n"
+    assert "widgets" not in nb.metadata

@@ -212,11 +212,13 @@ def page(lab, request):
 
 
 def _run_all(page) -> None:
-    """Run > Run All Cells, then wait until every code cell has run and the kernel is idle."""
+    """Run > Run All Cells, then wait until every code cell shown has run and the kernel is idle. A collapsed cell
+    (``source_hidden``) shows a placeholder whose prompt (also ``jp-InputPrompt``) never gets a number: skipped."""
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     page.wait_for_function(
-        """() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+        """() => [...document.querySelectorAll(
+                '.jp-Notebook .jp-CodeCell .jp-InputPrompt:not(.jp-Placeholder-prompt)')]
             .every(prompt => /^\\[\\d+\\]:$/.test(prompt.textContent.trim()))""",
         timeout=RUN_TIMEOUT_MS,
     )

@@ -28,8 +28,37 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-@pytest.mark.parametrize(("scheme", "n", "options"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+# The default set runs every scheme and schedule above, and each mode where the scheme does something of its own
+# with it: full in tensor and sequence parallelism (their recomputed all-reduces, all-gathers, asynchronous ones),
+# both in context parallelism (each runs the ring again and keeps its own activations); the rest alternate between
+# the modes. The other rows are slow.
+DEFAULT_MODES = {
+    "dp-{}": ("selective",),
+    "tp-{}": ("full",),
+    "sp-{}": ("selective", "full"),
+    "sp-{'async_tp': True}": ("full",),
+    "pp-{'schedule': '1f1b'}": ("full",),
+    "pp-{'schedule': 'zb-h1'}": ("selective",),
+    "pp-{'schedule': 'zb-v'}": ("full",),
+    "cp-{}": ("selective", "full"),
+    "3d-{'tp': 2, 'pp': 2, 'dp': 1, 'sp': True}": ("full",),
+}
+assert set(DEFAULT_MODES) == {f"{c[0]}-{c[2]}" for c in CASES}
+
+
+@pytest.mark.parametrize(
+    ("scheme", "n", "options", "mode"),
+    [
+        pytest.param(
+            *case,
+            mode,
+            id=f"{case[0]}-{case[2]}-{mode}",
+            marks=() if mode in DEFAULT_MODES[f"{case[0]}-{case[2]}"] else pytest.mark.slow,
+        )
+        for case in CASES
+        for mode in ("selective", "full")
+    ],
+)
 def test_recomputed_schemes_equal_one_device_and_their_ledgers(scheme, n, options, mode):
     cfg = GPTConfig(layers=4 if scheme in ("pp", "3d") else 2, recompute=mode)
     run = run_scheme(scheme, n, cfg=cfg, train=TrainConfig(steps=2, dtype="float64"), **options)

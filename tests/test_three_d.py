@@ -16,17 +16,30 @@ from course_lib.parallel.three_d import predict_axis_traffic
 from course_lib.runtime import launch
 
 CFG = GPTConfig(layers=4)
+
+
+def _slow(grid: dict):
+    return pytest.param(grid, marks=pytest.mark.slow, id="-".join(f"{k}{v}" for k, v in grid.items()))
+
+
+# The default set runs every feature of the grid at least once: SP, ZeRO-1 (padded, under PP and under TP), each
+# schedule, a trained position embedding under SP and under ZeRO-1. The slow rows take no path the default set
+# does not: the plain grid (also run in float32 below), SP and ZeRO-1 on 2 x 2 x 2 with frozen positions, and the
+# interleaved and ZeRO-1-with-trained-positions grids the merged row runs together.
 GRIDS = [
-    {"tp": 2, "pp": 2, "dp": 2},
-    {"tp": 2, "pp": 2, "dp": 2, "sp": True},
-    {"tp": 2, "pp": 2, "dp": 2, "zero": 1},
+    _slow({"tp": 2, "pp": 2, "dp": 2}),
+    _slow({"tp": 2, "pp": 2, "dp": 2, "sp": True}),
+    _slow({"tp": 2, "pp": 2, "dp": 2, "zero": 1}),
     {"tp": 2, "pp": 4, "dp": 1, "schedule": "gpipe", "microbatches": 8},
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "zb-h1", "microbatches": 2},
     {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "microbatches": 2},  # ZeRO-1's buckets pad to a multiple of 4
-    {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2},
+    _slow({"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2}),
     # A trained position embedding: SP sums its gradient over TP; ZeRO-1 buckets it where the optimizer takes it.
     {"tp": 2, "pp": 2, "dp": 2, "sp": True, "frozen_pos": False},
-    {"tp": 1, "pp": 2, "dp": 4, "zero": 1, "microbatches": 2, "frozen_pos": False},
+    _slow({"tp": 1, "pp": 2, "dp": 4, "zero": 1, "microbatches": 2, "frozen_pos": False}),
+    # The two rows above in one run: ZeRO-1 buckets over two chunks per rank, the trained positions in the first.
+    {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2, "zero": 1}
+    | {"frozen_pos": False},
 ]
 
 
@@ -43,8 +56,14 @@ def test_3d_trains_like_one_device_and_each_axis_moves_its_formula(grid):
         assert rank["memory"]["grads"] > 0, "the reported step must still hold its gradients"
 
 
-def test_3d_in_float32():
-    report = run_scheme("3d", 8, CFG, TrainConfig(steps=3), tp=2, pp=2, dp=2).report
+@pytest.fixture(scope="module")
+def float32_on_nodes():
+    """2 x 2 x 2 in float32, replayed on H100s two to a node: one launch for the two tests below."""
+    return run_scheme("3d", 8, CFG, TrainConfig(steps=3), tp=2, pp=2, dp=2, hardware="h100", gpus_per_node=2)
+
+
+def test_3d_in_float32(float32_on_nodes):
+    report = float32_on_nodes.report
     assert report["max_abs_loss_diff"] <= 1e-5 and report["rel_param_diff"] <= 1e-5
     assert [r["coords"] for r in report["ranks"]][5] == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
 
@@ -66,8 +85,8 @@ def test_axis_traffic_formula_by_hand_for_one_rank():
     assert traffic["dp"] > 0
 
 
-def test_the_grid_on_nodes_puts_each_axis_on_its_link():
-    run = run_scheme("3d", 8, CFG, TrainConfig(steps=1), tp=2, pp=2, dp=2, hardware="h100", gpus_per_node=2)
+def test_the_grid_on_nodes_puts_each_axis_on_its_link(float32_on_nodes):
+    run = float32_on_nodes
     # Two GPUs per node: each TP pair shares a node; PP and DP groups span nodes.
     inside = replay(run.result.programs, run.result.comm, "h100", gpus_per_node=8).summary()
     assert run.report["modeled"]["comm_s"] > inside["comm_s"]
@@ -76,7 +95,7 @@ def test_the_grid_on_nodes_puts_each_axis_on_its_link():
 
 GRIDS_4D = [
     {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "microbatches": 2},
-    {"tp": 2, "cp": 2, "pp": 2, "dp": 1},
+    _slow({"tp": 2, "cp": 2, "pp": 2, "dp": 1}),  # the row below with SP
     {"tp": 2, "cp": 2, "pp": 2, "dp": 1, "sp": True},
     {"tp": 1, "cp": 2, "pp": 2, "dp": 2, "kv": "all-gather", "zero": 1, "microbatches": 2},
 ]

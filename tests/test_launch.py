@@ -164,10 +164,12 @@ def launches_from_threads(threads: int, each: int) -> list:
     return errors
 
 
-def test_launches_from_two_threads_at_once(monkeypatch):
-    """The by-value pickling registry is global; two threads launching functions of this module used to collide."""
+@pytest.mark.parametrize("each", [5, pytest.param(20, marks=pytest.mark.slow)], ids=["5", "20-more"])
+def test_launches_from_two_threads_at_once(monkeypatch, each):
+    """The by-value pickling registry is global; two threads launching functions of this module used to collide.
+    The default set makes 5 launches per thread, the slow set 20 more (25 each in all, as before the split)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
-    assert launches_from_threads(2, 25) == []
+    assert launches_from_threads(2, each) == []
 
 
 def test_too_many_ranks_are_refused_before_any_starts():

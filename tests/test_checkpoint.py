@@ -420,6 +420,10 @@ def test_torchrun_restarts_the_job_from_its_last_checkpoint(tmp_path, capsys):
     restarted = json.loads(out.read_text())
     assert restarted["resumed_from"]["path"] == str(folder / "step-2") and restarted["first_step"] == 2
     assert restarted["losses"] == full["losses"][2:]
+    # The command's report under torchrun (tests/test_cli.py's plain torchrun run is slow): the reference beside it,
+    # and rank 1's ledger gathered from its own process, per step as in the launcher's run.
+    assert restarted["world_size"] == 2 and restarted["max_abs_loss_diff"] < BOUND
+    assert restarted["ranks"][1]["comm"] == full["ranks"][1]["comm"] and full["ranks"][1]["comm"]
     assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
     assert not left, "a process of the job outlived it"

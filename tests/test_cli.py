@@ -114,7 +114,10 @@ def test_demo_prints_its_table(capsys):
     assert any(line.startswith("dp") and " 2 " in line for line in out.splitlines())
 
 
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path):
+    """(Slow: the default set runs the command under torchrun, its JSON with the reference's difference and rank 1's
+    ledger checked, in tests/test_checkpoint.py::test_torchrun_restarts_the_job_from_its_last_checkpoint.)"""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out_file = tmp_path / "dp.json"
     subprocess.run(

@@ -1,10 +1,12 @@
 """Each bug hunt fails the equivalence harness (and leaves a clue in the ledger) until fixed, and passes after."""
 
+import pytest
 import torch.nn.functional as F
 
 from course_lib.ledgers import comm
 from course_lib.parallel.data import all_reduce_grads
 from course_lib.parallel.tensor_mappings import ReduceFromTensorParallel
+from course_lib.practice import bughunts
 from course_lib.practice.bughunts import BUGS, check_fix, hunt, matches_one_device
 
 
@@ -39,24 +41,60 @@ def layer0_forward_ops(run):
     )
 
 
-def test_every_hunt_fails_until_fixed_and_passes_after():
+@pytest.fixture(scope="module")
+def broken():
+    """Each hunt's broken run, run once for the tests that read it."""
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            runs[name] = hunt(name)
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """check_fix of each hunt with the fix above: its verdict, and the run it made (kept by a spy on ``hunt`` that
+    returns what the real one does), each made once."""
+    results = {}
+
+    def get(name: str):
+        if name not in results:
+            made = []
+
+            def recording(*args, **kwargs):
+                made.append(hunt(*args, **kwargs))
+                return made[-1]
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(bughunts, "hunt", recording)
+                verdict = check_fix(name, FIXES[name])
+            [run] = made
+            results[name] = verdict, run
+        return results[name]
+
+    return get
+
+
+def test_every_hunt_fails_until_fixed_and_passes_after(broken, fixed):
     assert set(FIXES) == set(BUGS)
-    for name, fix in FIXES.items():
-        broken = hunt(name)
-        assert not matches_one_device(broken), name
-        ok, note = check_fix(name, fix)
+    for name in FIXES:
+        assert not matches_one_device(broken(name)), name
+        (ok, note), _ = fixed(name)
         assert ok, f"{name}: {note}"
 
 
-def test_the_ledger_shows_the_clue():
+def test_the_ledger_shows_the_clue(broken, fixed):
     # TP: layer 0 makes no all-reduce forward (it should make two).
-    assert layer0_forward_ops(hunt("tp-forgets-allreduce")) == []
-    assert layer0_forward_ops(hunt("tp-forgets-allreduce", fixed_row_forward)) == ["all_reduce", "all_reduce"]
+    assert layer0_forward_ops(broken("tp-forgets-allreduce")) == []
+    assert layer0_forward_ops(fixed("tp-forgets-allreduce")[1]) == ["all_reduce", "all_reduce"]
     # SP: no gradient sum over the TP group after backward.
-    phases = {r.tags.get("phase") for r in hunt("sp-layernorm-grads").result.comm[0]}
+    phases = {r.tags.get("phase") for r in broken("sp-layernorm-grads").result.comm[0]}
     assert "sp_grad_sync" not in phases
     # PP: the first and last stage never talk on the embedding group.
-    assert "embedding" not in {r.group for r in hunt("pp-tied-embedding").result.comm[0]}
+    assert "embedding" not in {r.group for r in broken("pp-tied-embedding").result.comm[0]}
 
 
 def test_a_wrong_fix_is_told_so():

@@ -104,20 +104,20 @@ def test_run_with_bad_sizes_is_a_clear_error():
         main(["run", "dp", "--world-size", "3"])
 
 
-def test_demo_prints_its_table_as_a_console_script():
-    """The console script end to end, one step per scheme (its figures: tests/test_plots.py)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "course_lib", "demo", "--steps", "1", "--world-size", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+def test_demo_prints_its_table(capsys):
+    """The command end to end, one step per scheme (its figures: tests/test_plots.py), in this process: the console
+    script's own start (``python -m course_lib``, which warms the rank server first) runs in the subprocess tests
+    below, a launching command among them."""
+    assert main(["demo", "--steps", "1", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
     assert "scheme" in out and "loss diff" in out
     assert any(line.startswith("dp") and " 2 " in line for line in out.splitlines())
 
 
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path):
+    """(Slow: the default set runs the command under torchrun, its JSON with the reference's difference and rank 1's
+    ledger checked, in tests/test_checkpoint.py::test_torchrun_restarts_the_job_from_its_last_checkpoint.)"""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out_file = tmp_path / "dp.json"
     subprocess.run(
@@ -148,7 +148,7 @@ def test_the_same_command_runs_under_torchrun(tmp_path):
     assert data["ranks"][1]["comm"]["all_reduce"]["bytes"] == 4 * data["params"]
 
 
-@pytest.mark.parametrize("scheme", ["zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("scheme", ["zero1", "zero2", pytest.param("zero3", marks=pytest.mark.slow), "fsdp"])
 def test_run_zero_stages_match_one_device(capsys, scheme):
     data = run_json(capsys, "run", scheme, "--world-size", "4", "--steps", "2")
     assert data["scheme"] == ("zero3" if scheme == "fsdp" else scheme)
@@ -302,9 +302,17 @@ def test_bad_numbers_and_paths_are_one_line_before_any_rank_starts(argv, message
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("argv", [["hardware"], ["run", "dp", "--world-size", "2", "--steps", "1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["hardware"], marks=pytest.mark.slow),
+        ["run", "dp", "--world-size", "2", "--steps", "1"],
+    ],
+    ids=["hardware", "run"],
+)
 def test_json_into_a_closed_pipe_ends_quietly(argv):
-    """``--json - | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    """``--json - | head -1``: the reader leaves early; no BrokenPipeError traceback. One handler in ``main`` serves
+    every command; the default set checks it on a command that launches ranks, the slow set on one that does not."""
     done = subprocess.run(
         f"{sys.executable} -m course_lib {' '.join(argv)} --json - | head -1",
         shell=True,

@@ -164,10 +164,12 @@ def launches_from_threads(threads: int, each: int) -> list:
     return errors
 
 
-def test_launches_from_two_threads_at_once(monkeypatch):
-    """The by-value pickling registry is global; two threads launching functions of this module used to collide."""
+@pytest.mark.parametrize("each", [5, pytest.param(20, marks=pytest.mark.slow)], ids=["5", "20-more"])
+def test_launches_from_two_threads_at_once(monkeypatch, each):
+    """The by-value pickling registry is global; two threads launching functions of this module used to collide.
+    The default set makes 5 launches per thread, the slow set 20 more (25 each in all, as before the split)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
-    assert launches_from_threads(2, 25) == []
+    assert launches_from_threads(2, each) == []
 
 
 def test_too_many_ranks_are_refused_before_any_starts():
@@ -182,10 +184,13 @@ def returns_at_once():
     return dist.get_rank()
 
 
-def test_ranks_that_return_at_once_never_break_a_peer_still_connecting():
+@pytest.mark.parametrize("rounds", [1, pytest.param(14, marks=pytest.mark.slow)], ids=["once", "14-more"])
+def test_ranks_that_return_at_once_never_break_a_peer_still_connecting(rounds):
     """gloo could finish one rank's connections before its peer's; a rank that then exited broke the peer's
-    set-up (1 launch in 18 failed with "Connection closed by peer"). Ranks now start their function together."""
-    for _ in range(15):  # 45 launches: all would pass with the old failure rate 1 time in 14
+    set-up (1 launch in 18 failed with "Connection closed by peer"). Ranks now start their function together. The
+    default set launches each size once; the slow set repeats it: 45 launches in all, which would all pass with the
+    old failure rate 1 time in 14."""
+    for _ in range(rounds):
         for n in (2, 4, 8):
             assert list(launch.run(returns_at_once, n)) == list(range(n))
 
@@ -226,73 +231,68 @@ def test_nccl_on_one_gpu_per_rank():
     assert all(v == [n * (n + 1) / 2] * 3 for _, v in result)
 
 
-def test_back_to_back_launches_never_stall_and_leave_no_store_behind(tmp_path, monkeypatch):
-    """A launcher-hosted TCP store once made one launch in four wait ~5 s for a reconnect; ranks now meet at a file."""
+@pytest.mark.parametrize("launches", [5, pytest.param(15, marks=pytest.mark.slow)], ids=["5", "15-more"])
+def test_back_to_back_launches_never_stall_and_leave_no_store_behind(tmp_path, monkeypatch, launches):
+    """A launcher-hosted TCP store once made one launch in four wait ~5 s for a reconnect; ranks now meet at a file.
+    The default set makes 5 launches, the slow set 15 more (20 in all, as before the split)."""
     launch.run(sum_ranks, 8)  # the forkserver's start, once per process, is not what this test is about
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher puts its store files
     times = []
-    for _ in range(20):
+    for _ in range(launches):
         started = time.perf_counter()
         assert list(launch.run(sum_ranks, 8)) == [36.0] * 8
         times.append(time.perf_counter() - started)
-    assert max(times) < 4, f"a launch stalled: {sorted(times)[-3:]} s (median {sorted(times)[10]:.2f} s)"
+    median = sorted(times)[launches // 2]
+    assert max(times) < 4, f"a launch stalled: {sorted(times)[-3:]} s (median {median:.2f} s)"
     assert not list(tmp_path.iterdir()), "every run removes its store file"
 
 
-SCRIPT = """
+PARENT = """
+import os, sys, time
+import torch, torch.distributed as dist
 from course_lib.runtime import launch
 from course_lib.ledgers import comm
-import torch, torch.distributed as dist
 
 def hello():
     t = torch.ones(1) * dist.get_rank()
     comm.all_reduce(t)
     return t.item()
 
-print(list(launch.run(hello, 4)))
-"""
-
-
-@pytest.mark.parametrize("how", ["file", "stdin"])
-def test_a_script_without_a_main_guard_launches_ranks(tmp_path, how):
-    """The ranks get their function by value and never re-run the caller's script."""
-    script = tmp_path / "example.py"
-    script.write_text(SCRIPT)
-    command = [sys.executable, str(script)] if how == "file" else [sys.executable, "-"]
-    done = subprocess.run(
-        command, input=None if how == "file" else SCRIPT, capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[6.0, 6.0, 6.0, 6.0]"
-
-
-PARENT = """
-import os, sys, time
-from course_lib.runtime import launch
-
 def sleeper(folder):
-    import torch.distributed as dist
     with open(os.path.join(folder, f"{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)
 
+print(list(launch.run(hello, 4)), flush=True)
 launch.run(sleeper, 4, sys.argv[1], timeout=300, stall_timeout=300)
 """
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_ranks_die_with_their_parent(tmp_path, how):
-    """An OOM kill, `kill PID` or a closed terminal ends the launching process: its ranks must not train on."""
+@pytest.mark.parametrize(
+    ("how", "signum"), [("file", signal.SIGKILL), ("stdin", signal.SIGTERM)], ids=["file-SIGKILL", "stdin-SIGTERM"]
+)
+def test_a_script_without_a_main_guard_launches_ranks_that_die_with_it(tmp_path, how, signum):
+    """The ranks get their function by value and never re-run the caller's script, read from a file or from
+    standard input: its first launch returns, its second starts ranks. Then an OOM kill (SIGKILL), `kill PID` or a
+    closed terminal (SIGTERM) ends the launching process: its ranks must not train on. One process per variant
+    checks both (each way of giving the script meets one signal; SIGTERM's handler does not depend on it)."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    command = [sys.executable, str(script) if how == "file" else "-", str(tmp_path)]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        parent = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, text=True, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(read_pids(tmp_path)) < 4 and time.monotonic() < deadline:
+        parent.stdin.write(PARENT if how == "stdin" else "")
+        parent.stdin.close()
+        deadline = time.monotonic() + 120  # two launches, the first one's ranks joined, before the pids appear
+        while len(read_pids(tmp_path)) < 4 and time.monotonic() < deadline and parent.poll() is None:
             time.sleep(0.1)
         pids = read_pids(tmp_path)
-        assert len(pids) == 4, "the ranks did not start"
-        parent.send_signal(how)
+        assert len(pids) == 4, f"the ranks did not start: {err.read_text()[-2000:]}"
+        assert out.read_text() == "[6.0, 6.0, 6.0, 6.0]\n", err.read_text()[-2000:]
+        assert "Traceback" not in err.read_text(), err.read_text()[-2000:]
+        parent.send_signal(signum)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 5
         while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
@@ -300,6 +300,7 @@ def test_ranks_die_with_their_parent(tmp_path, how):
         assert not any(process_alive(pid) for pid in pids), "ranks outlived their parent"
     finally:
         parent.kill()
+        parent.wait()
 
 
 def test_a_launch_removes_the_store_files_of_dead_launchers(tmp_path, monkeypatch):
@@ -333,9 +334,12 @@ if dist.get_rank() == 0:
 """
 
 
+@pytest.mark.slow
 def test_a_torchrun_restart_comes_back(tmp_path):
     """After --max-restarts, torchrun's store still held the failed attempt's addresses; two restarts in three
-    failed in gloo's connectFullMesh. Each attempt now rendezvouses under its own prefix."""
+    failed in gloo's connectFullMesh. Each attempt now rendezvouses under its own prefix. (Slow: the default set
+    restarts a torchrun job through the same rendezvous in
+    tests/test_checkpoint.py::test_torchrun_restarts_the_job_from_its_last_checkpoint.)"""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = tmp_path / "fails_once.py"
     script.write_text(RESTARTS)

@@ -2,6 +2,8 @@
 frozen and tied parameters, every rank seeded differently before it builds the model, and after every step the
 parameters compared with training the same model on one process on the whole batch."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,20 +33,41 @@ def data_parallel_run(optimizer: str, steps: int, ddp_kwargs: dict, accumulate: 
     return history, len(model.buckets)
 
 
-@pytest.mark.parametrize(
-    ("n", "optimizer", "ddp_kwargs", "accumulate", "buckets"),
-    [
-        (2, "sgd", {"bucket_mb": None}, 1, 1),  # one unbounded bucket
-        (3, "adamw", {"bucket_mb": 0.002}, 1, "several"),  # 2 kB: several buckets
-        (4, "adamw", {"per_parameter": True}, 2, 4),  # one per trainable tensor, with accumulation
-        (2, "adamw", {"bucket_mb": 0.002, "overlap": False}, 1, "several"),
-    ],
-    ids=["one-bucket-2", "buckets-3", "per-parameter-4", "after-backward-2"],
-)
-def test_every_step_matches_one_process(n, optimizer, ddp_kwargs, accumulate, buckets):
-    steps = 3
-    reference = one_process(optimizer, steps)
-    result = launch.run(data_parallel_run, n, optimizer, steps, ddp_kwargs, accumulate)
+STEPS = 3
+# id: (ranks, optimizer, wrapper options, micro-batches, buckets)
+VARIANTS = {
+    "one-bucket-2": (2, "sgd", {"bucket_mb": None}, 1, 1),  # one unbounded bucket
+    "buckets-3": (3, "adamw", {"bucket_mb": 0.002}, 1, "several"),  # 2 kB: several buckets
+    "per-parameter-4": (4, "adamw", {"per_parameter": True}, 2, 4),  # one per trainable tensor, with accumulation
+    "after-backward-2": (2, "adamw", {"bucket_mb": 0.002, "overlap": False}, 1, "several"),
+}
+
+
+def world_checks() -> dict:
+    """The variants of this world size in one launch (and, on 2 ranks, ours against PyTorch's DDP and the branchy
+    model with find_unused_parameters)."""
+    n = dist.get_world_size()
+    out = {
+        name: data_parallel_run(optimizer, STEPS, ddp_kwargs, accumulate)
+        for name, (size, optimizer, ddp_kwargs, accumulate, _) in VARIANTS.items()
+        if size == n
+    }
+    if n == 2:
+        out["ddp"] = ours_and_ddp()
+        out["find-unused"] = branchy_run(True)
+    return out
+
+
+@functools.cache
+def world(n: int) -> launch.RunResult:
+    return launch.run(world_checks, n)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_step_matches_one_process(variant):
+    n, optimizer, _, _, buckets = VARIANTS[variant]
+    reference = one_process(optimizer, STEPS)
+    result = [rank[variant] for rank in world(n)]
     for history, made in result:
         assert made == buckets if isinstance(buckets, int) else made > 1
         for step, (mine, theirs) in enumerate(zip(history, reference, strict=True)):
@@ -52,7 +75,9 @@ def test_every_step_matches_one_process(n, optimizer, ddp_kwargs, accumulate, bu
                 assert torch.allclose(mine[name], theirs[name], rtol=1e-10, atol=1e-12), (step, name)
 
 
-def test_the_same_as_pytorchs_ddp():
+def ours_and_ddp() -> tuple[dict, dict]:
+    """Rank function: the same training through our DataParallel and PyTorch's DistributedDataParallel."""
+
     def run(kind: str):
         torch.manual_seed(0)
         model = ToyModel().double()
@@ -70,10 +95,11 @@ def test_the_same_as_pytorchs_ddp():
             opt.step()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    def both():
-        return run("ours"), run("torch")
+    return run("ours"), run("torch")
 
-    for ours, theirs in launch.run(both, 2):
+
+def test_the_same_as_pytorchs_ddp():
+    for ours, theirs in (rank["ddp"] for rank in world(2)):
         for name in theirs:
             assert torch.allclose(ours[name], theirs[name], rtol=1e-12, atol=1e-14), name
 
@@ -105,7 +131,7 @@ def branchy_run(find_unused: bool):
 def test_a_parameter_without_gradient_is_an_error_naming_it():
     with pytest.raises(launch.RankError, match=r"extra.bias, extra.weight got no gradient in this step"):
         launch.run(branchy_run, 2, False)
-    assert list(launch.run(branchy_run, 2, True)) == [0.0, 0.0]  # counted as zero
+    assert [rank["find-unused"] for rank in world(2)] == [0.0, 0.0]  # counted as zero
 
 
 def test_bad_bucket_size_is_refused():

@@ -12,7 +12,7 @@ from course_lib.harness import run_scheme  # noqa: E402
 from course_lib.ledgers.comm import CommRecord  # noqa: E402
 from course_lib.ledgers.trace import Event  # noqa: E402
 from course_lib.model.config import TrainConfig  # noqa: E402
-from course_lib.ui.plots import KIND_COLORS, byte_unit, plot_comm, plot_memory, plot_timeline
+from course_lib.ui.plots import KIND_COLORS, byte_unit, plot_comm, plot_memory, plot_timeline, run_figures
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,18 @@ def dp_run():
 def grid_run():
     """Two steps of a 2 x 2 x 2 grid on 8 ranks, also replayed on a modeled H100 cluster."""
     return run_scheme("3d", 8, train=TrainConfig(steps=2), hardware="h100")
+
+
+@pytest.fixture(scope="module")
+def dp_figures(dp_run):
+    """The data-parallel run's figures, built once (building them costs more than reading them)."""
+    return run_figures(dp_run)
+
+
+@pytest.fixture(scope="module")
+def grid_figures(grid_run):
+    """The 3D run's figures, built once: the canvas check and the bytes-by-axis check read the same figures."""
+    return run_figures(grid_run)
 
 
 @pytest.fixture(autouse=True)
@@ -75,22 +87,19 @@ def test_the_one_rank_memory_figure_fits_its_canvas():
     assert fits(plot_memory([row | {"peak": 4_630_636}], [row], title="single_n1: memory per rank"))
 
 
-def test_every_figure_of_a_run_fits_its_canvas(dp_run, grid_run):
-    from course_lib.ui.plots import run_figures
-
-    for run in (dp_run, grid_run):
-        for name, fig in run_figures(run).items():
+def test_every_figure_of_a_run_fits_its_canvas(dp_figures, grid_figures):
+    assert len(dp_figures) == len(grid_figures) == 4  # timeline, memory, comm and both clocks of each run
+    for figures in (dp_figures, grid_figures):
+        for name, fig in figures.items():
             assert fits(fig), name
 
 
-def test_the_memory_peak_says_what_it_holds_beyond_the_bars(dp_run):
+def test_the_memory_peak_says_what_it_holds_beyond_the_bars(dp_run, dp_figures):
     ax = plot_memory([r["memory"] for r in dp_run.report["ranks"]], dp_run.predicted_memory).axes[0]
     peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
     assert "temporaries" in peak and "gradients on their way back" in peak and "ZeRO-3" in peak
 
-    from course_lib.ui.plots import run_figures
-
-    ax = run_figures(dp_run)["dp_n2_memory.png"].axes[0]
+    ax = dp_figures["dp_n2_memory.png"].axes[0]
     peak = next(label for label in legend_labels(ax) if label.startswith("measured peak"))
     assert "gradients on their way back" in peak and "gathered" not in peak  # DP gathers nothing
 
@@ -113,10 +122,8 @@ def test_the_comm_legend_sits_beside_the_bars_and_zero_byte_calls_are_named_not_
     assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # beside the axes, over no bar
 
 
-def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run):
-    from course_lib.ui.plots import run_figures
-
-    ax = run_figures(grid_run)["3d_n8_comm.png"].axes[0]
+def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run, grid_figures):
+    ax = grid_figures["3d_n8_comm.png"].axes[0]
     axes = legend_labels(ax)
     assert axes == ["tp", "pp", "embedding", "dp"]
     assert ax.get_ylabel() == "bytes sent (kB)"

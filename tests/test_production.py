@@ -42,8 +42,19 @@ def reference() -> TrainResult:
     return train_reference(GPTConfig(), TRAIN)
 
 
-@pytest.mark.parametrize(("fn", "options", "scheme", "scheme_options"), VARIANTS, ids=IDS)
-@pytest.mark.parametrize("n", [2, 4])
+# Each comparison once in the default set, on 4 ranks, but the no-reshard one on 2 (the same code on either); the
+# other world size of each is in the slow set.
+DEFAULT_N = {"ddp-vs-dp": 4, "fsdp2-vs-zero3": 4, "fsdp2-vs-zero3-no-reshard": 2}
+
+
+@pytest.mark.parametrize(
+    ("fn", "options", "scheme", "scheme_options", "n"),
+    [
+        pytest.param(*variant, n, id=f"{name}-{n}", marks=[pytest.mark.slow] * (n != DEFAULT_N[name]))
+        for n in (2, 4)
+        for variant, name in zip(VARIANTS, IDS, strict=True)
+    ],
+)
 def test_pytorch_matches_one_device_and_our_scheme(fn, options, scheme, scheme_options, n):
     result = launch.run(fn, n, GPTConfig(), TRAIN, **options)
     losses = [sum(step) / n for step in zip(*(r["losses"] for r in result), strict=True)]
@@ -55,13 +66,31 @@ def test_pytorch_matches_one_device_and_our_scheme(fn, options, scheme, scheme_o
         assert rel_param_diff(r["params"], reference().params) <= 1e-5
 
 
+@functools.cache
+def our_tensor_parallel_losses(n: int, sp: bool) -> list[float]:
+    """Our TP (or TP + SP) on n ranks, shared by the DTensor options that compare with it."""
+    return launch.run(train_tensor_parallel, n, GPTConfig(), TRAIN, sp=sp)[0]["losses"]
+
+
+# Default set: TP on 2 ranks, both SP options on 4 (they compare with the same run of ours); the rest is slow.
+DTENSOR_DEFAULT_N = {"tp": 2, "tp-sp": 4, "tp-sp-reduce-grads": 4}
+
+
 @pytest.mark.parametrize(
-    "options", [{}, {"sp": True}, {"sp": True, "reduce_grads": True}], ids=["tp", "tp-sp", "tp-sp-reduce-grads"]
+    ("n", "options"),
+    [
+        pytest.param(n, options, id=f"{n}-{name}", marks=[pytest.mark.slow] * (n != DTENSOR_DEFAULT_N[name]))
+        for n in (2, 4)
+        for options, name in (
+            ({}, "tp"),
+            ({"sp": True}, "tp-sp"),
+            ({"sp": True, "reduce_grads": True}, "tp-sp-reduce-grads"),
+        )
+    ],
 )
-@pytest.mark.parametrize("n", [2, 4])
 def test_dtensor_tensor_parallel_matches_one_device_and_ours(n, options):
     result = launch.run(train_dtensor_tp, n, GPTConfig(), TRAIN, **options)
-    ours = launch.run(train_tensor_parallel, n, GPTConfig(), TRAIN, sp=options.get("sp", False))[0]["losses"]
+    ours = our_tensor_parallel_losses(n, options.get("sp", False))
     for r in result:  # every rank sees the whole batch, so every rank has the loss
         for theirs, mine, single in zip(r["losses"], ours, reference().losses, strict=True):
             assert abs(theirs - single) <= 1e-5
@@ -79,8 +108,13 @@ def pipeline_reference() -> TrainResult:
 
 @pytest.mark.parametrize(
     ("n", "schedule", "chunks"),
-    [(2, "gpipe", 1), (4, "gpipe", 1), (2, "1f1b", 1), (4, "1f1b", 1), (2, "interleaved", 2)],
-    ids=["gpipe-2", "gpipe-4", "1f1b-2", "1f1b-4", "interleaved-2x2"],
+    [
+        pytest.param(2, "gpipe", 1, id="gpipe-2", marks=pytest.mark.slow),  # each schedule once on 2 or 4 ranks
+        pytest.param(4, "gpipe", 1, id="gpipe-4"),
+        pytest.param(2, "1f1b", 1, id="1f1b-2"),
+        pytest.param(4, "1f1b", 1, id="1f1b-4", marks=pytest.mark.slow),
+        pytest.param(2, "interleaved", 2, id="interleaved-2x2"),
+    ],
 )
 def test_torch_pipelining_matches_one_device_and_ours(n, schedule, chunks):
     options = {"schedule": schedule, "microbatches": 4, "chunks": chunks}
@@ -97,7 +131,7 @@ def test_torch_pipelining_matches_one_device_and_ours(n, schedule, chunks):
     assert len(forwards) == 4 * chunks  # one span per microbatch and chunk, tagged for the benchmarks
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 4])  # 4 ranks: 2 experts each
 def test_pytorchs_all_to_all_carries_our_expert_parallelism_to_the_same_result(n):
     cfg, train = GPTConfig(experts=8, top_k=2, capacity_factor=1.0), TrainConfig(steps=2, dtype="float64")
     theirs = run_scheme("ep", n, cfg, train, patch=TORCH_ALL_TO_ALL)
@@ -109,7 +143,7 @@ def test_pytorchs_all_to_all_carries_our_expert_parallelism_to_the_same_result(n
         assert "all_to_all" not in patched["comm"]  # PyTorch's collective bypassed our ledger: the patch took
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_pytorchs_context_parallel_shards_a_sequence_as_ours(n):
     theirs = launch.run(torch_head_tail_positions, n, 32)
     assert [t.tolist() for t in theirs] == [local_positions(32, rank, n).tolist() for rank in range(n)]

@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism: layer, block and training equivalence, the ledger per layer, activation memory
 per rank against the formulas, and the LayerNorm-gradient bug class of sequence parallelism."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -50,11 +51,27 @@ def mlp_two_ways(sp):
     }
 
 
+def layers_and_blocks_two_ways() -> dict:
+    """The MLP and the block, each without and with SP, in one world: one launch for the two tests below."""
+    return {
+        (kind, sp): fn(sp) for kind, fn in (("mlp", mlp_two_ways), ("block", block_two_ways)) for sp in (False, True)
+    }
+
+
+@functools.cache
+def layers_and_blocks(t: int) -> launch.RunResult:
+    return launch.run(layers_and_blocks_two_ways, t)
+
+
+# One degree in the default set: 4 ranks (2 runs the same code); 2 is in the slow set.
+DEGREES = [pytest.param(2, marks=pytest.mark.slow), 4]
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", DEGREES)
 def test_column_then_row_parallel_linear_equals_nn_linear(t, sp):
-    for rank in launch.run(mlp_two_ways, t, sp):
-        assert max(rank.values()) < 1e-12, rank
+    for rank in layers_and_blocks(t):
+        assert max(rank["mlp", sp].values()) < 1e-12, rank["mlp", sp]
 
 
 def block_two_ways(sp):
@@ -81,18 +98,32 @@ def block_two_ways(sp):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", DEGREES)
 def test_a_block_equals_the_reference_block(t, sp):
     assert isinstance(TinyGPT(CFG).blocks[0], Block)
-    for out, grad, ln in launch.run(block_two_ways, t, sp):
+    for rank in layers_and_blocks(t):
+        out, grad, ln = rank["block", sp]
         assert out < 1e-12 and grad < 1e-12 and ln < 1e-12
 
 
+@functools.cache
+def float32_run(scheme: str, t: int):
+    """Three float32 steps: the training check reads the result, the collectives check reads its step 0."""
+    return run_scheme(scheme, t, train=TrainConfig(steps=3))
+
+
+# Each scheme in both dtypes in the default set: float32 (the frozen position table) on 2 ranks, on the runs the
+# collectives check reads too; float64 (a trained position table) with the ledger on 4. The rest is slow.
 @pytest.mark.parametrize("scheme", ["tp", "sp"])
-@pytest.mark.parametrize("t", [2, 4])
-def test_training_matches_one_device(scheme, t):
-    fp32 = run_scheme(scheme, t, train=TrainConfig(steps=3)).report
+@pytest.mark.parametrize("t", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_training_matches_one_device_in_float32(scheme, t):
+    fp32 = float32_run(scheme, t).report
     assert fp32["max_abs_loss_diff"] <= 1e-5 and fp32["rel_param_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["tp", "sp"])
+@pytest.mark.parametrize("t", DEGREES)
+def test_training_matches_one_device_in_float64_and_ledger_equals_formulas(scheme, t):
     # A trained position embedding too: under SP each rank adds the rows of its sequence shard, so TP sums them.
     run = run_scheme(scheme, t, GPTConfig(frozen_pos=False), TrainConfig(steps=2, dtype="float64"))
     assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
@@ -103,11 +134,11 @@ def test_training_matches_one_device(scheme, t):
         assert rank["coords"] == {"tp": rank["rank"]}
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_per_layer_are_two_forward_and_two_backward(t):
     per_layer = {}
     for scheme in ("tp", "sp"):
-        run = run_scheme(scheme, t, train=TrainConfig(steps=1))
+        run = float32_run(scheme, t)
         records = [r for r in run.result.comm[0] if r.tags.get("step") == 0]
         seen = Counter((r.tags.get("layer"), r.tags.get("direction"), r.op, r.tensor_bytes) for r in records)
         sp_sum = [(None, None, "all_reduce", sequence_parallel_grad_bytes(CFG, 4, CFG.layers))] * (scheme == "sp")
@@ -141,9 +172,9 @@ def activations(sp):
     return meter.activations_peak
 
 
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, pytest.param(2, marks=pytest.mark.slow), 4])  # 1: nothing split; 2 as 4
 def test_activation_bytes_per_rank_equal_the_formula(t):
-    tp, sp = (launch.run(activations, t, sp)[0] for sp in (False, True))
+    tp, sp = launch.run(lambda: (activations(False), activations(True)), t)[0]  # one world for both
     assert tp == tiny_gpt_activation_bytes(CFG, 4, tp=t)["total"]
     assert sp == tiny_gpt_activation_bytes(CFG, 4, tp=t, sp=True)["total"]
     per_layer = {sp: tiny_gpt_activation_bytes(CFG, 4, tp=t, sp=sp)["per_layer"] for sp in (False, True)}
@@ -166,14 +197,15 @@ def layernorm_grads(sync):
     return [p.grad.clone() for p in model.sequence_parallel_params()]
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", DEGREES)
 def test_replicated_parameters_get_identical_gradients_on_every_rank(t):
     def same_on_all(ranks):
         return all(torch.equal(a, b) for other in ranks[1:] for a, b in zip(ranks[0], other, strict=True))
 
-    assert same_on_all(launch.run(layernorm_grads, t, True))
+    synced, forgotten = zip(*launch.run(lambda: (layernorm_grads(True), layernorm_grads(False)), t), strict=True)
+    assert same_on_all(synced)
     # The production bug class: forget the sum and every rank's LayerNorms train on their own shard.
-    assert not same_on_all(launch.run(layernorm_grads, t, False))
+    assert not same_on_all(forgotten)
 
 
 @pytest.mark.parametrize(

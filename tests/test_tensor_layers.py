@@ -3,6 +3,7 @@
 float64 and float32, 2 and 4 ranks), costs one all-reduce per colwise layer backward and one per rowwise layer
 forward, gives the parameters that PyTorch's own DTensor tensor parallelism gives, and refuses bad plans."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -142,9 +143,24 @@ def train_two_ways() -> dict:
     return {"diffs": diffs, "ledgers": ledgers}
 
 
-@pytest.mark.parametrize("t", [2, 4])
+def every_check() -> dict:
+    """The three rank functions of this file's equivalence tests in one world (each test reads its part)."""
+    return {"train": train_two_ways(), "layers": layers_two_ways(), "pytorch": ours_and_pytorchs()}
+
+
+@functools.cache
+def world(t: int) -> launch.RunResult:
+    """One launch of t ranks for the training, drop-in layer and PyTorch checks."""
+    return launch.run(every_check, t)
+
+
+# One degree in the default set: 4 ranks, a head each (2 runs the same code with two heads); 2 is in the slow set.
+DEGREES = [pytest.param(2, marks=pytest.mark.slow), 4]
+
+
+@pytest.mark.parametrize("t", DEGREES)
 def test_a_parallelized_model_trains_like_one_process(t):
-    for rank in launch.run(train_two_ways, t):
+    for rank in (checks["train"] for checks in world(t)):
         for (dtype, _), diff in rank["diffs"].items():
             assert diff <= RTOL[dtype], rank["diffs"]
         # Per block and step: f all-reduces the gradient of q's, k's, v's and fc1's input in backward, g the output
@@ -192,9 +208,9 @@ def layers_two_ways() -> None:
         torch.testing.assert_close(p, dict(Net(seed=0).named_parameters())[name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", DEGREES)
 def test_layers_are_drop_in_linears_and_f_g_work_by_hand(t):
-    launch.run(layers_two_ways, t)
+    assert [checks["layers"] for checks in world(t)] == [None] * t  # its assertions ran on every rank
 
 
 def ours_and_pytorchs() -> float:
@@ -215,9 +231,9 @@ def ours_and_pytorchs() -> float:
     return worst
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", DEGREES)
 def test_the_same_plan_through_pytorch_gives_the_same_parameters(t):
-    for diff in launch.run(ours_and_pytorchs, t):
+    for diff in (checks["pytorch"] for checks in world(t)):
         assert diff <= RTOL["float64"]
 
 

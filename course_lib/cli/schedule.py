@@ -48,7 +48,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     for r, table in enumerate(tables):
         say(args, f"  rank {r}: " + " ".join(str(a) for a in table if a.kind in ("F", "B", "W")))
     if args.plot:
-        from course_lib.ui.plots import plot_schedule
+        from course_lib.ui.figures_middle import plot_schedule
 
         def write() -> list[str]:
             plot_schedule(sim, title=f"{args.schedule}, p={args.stages}, m={args.microbatches}").savefig(

@@ -228,42 +228,6 @@ def plot_clocks(
     return fig
 
 
-SCHEDULE_COLORS = {"F": KIND_COLORS["forward"], "B": KIND_COLORS["backward"], "W": KIND_COLORS["weight_grad"]}
-
-
-def plot_schedule(simulation, ax=None, title: str = "Pipeline schedule") -> plt.Figure:
-    """A simulated schedule (:func:`course_lib.parallel.schedule_sim.simulate`): per rank its F, B and W actions,
-    each labelled with its microbatch (and chunk), odd chunks hatched (a V's second leg, stage 2p-1-r), idle time
-    left blank; the bubble fraction in the title."""
-    p = len(simulation.busy)
-    fig, ax = _axes(ax, (10, 0.55 * p + 1.6))
-    for rank, intervals in enumerate(simulation.busy):
-        for start, end, action in intervals:
-            ax.broken_barh(
-                [(start, end - start)],
-                (rank - 0.4, 0.8),
-                facecolors=SCHEDULE_COLORS[action.kind],
-                edgecolor="white",
-                linewidth=0.8,
-                hatch="///" if action.chunk % 2 else None,
-            )
-            label = f"{action.microbatch}" + (f".{action.chunk}" if action.chunk else "")
-            ax.text((start + end) / 2, rank, label, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.set_ylim(p - 0.5, -0.5)
-    ax.set_xlim(0, simulation.makespan)
-    ax.set_xlabel("time (units of one forward)")
-    ax.set_title(f"{title}: bubble {simulation.bubble_fraction:.1%} of the time", fontsize=10)
-    kinds = sorted({a.kind for intervals in simulation.busy for _, _, a in intervals}, key="FBW".index)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=SCHEDULE_COLORS[k]) for k in kinds]
-    names = [{"F": "F: forward", "B": "B: backward", "W": "W: weight gradient"}[k] for k in kinds]
-    if any(a.chunk % 2 for intervals in simulation.busy for _, _, a in intervals):
-        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="0.6", edgecolor="white", hatch="///"))
-        names.append("hatched: odd chunks (a V: stage 2p-1-r)")
-    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    return fig
-
-
 RANK_COLORS = plt.get_cmap("tab10").colors
 
 

@@ -13,7 +13,8 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
 from course_lib.model.formulas import model_state_formula
-from course_lib.ui.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_schedule, plot_zero_memory
+from course_lib.ui.figures_middle import plot_schedule
+from course_lib.ui.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_zero_memory
 
 # Room for the longest label ("microbatches m", "GPUs per node") before every control, so that the controls line up.
 LABEL_STYLE = {"description_width": "8.5em"}

@@ -212,7 +212,10 @@ def page(lab, request):
 
 
 def _run_all(page) -> None:
-    """Run > Run All Cells, then wait until every code cell has run and the kernel is idle."""
+    """View > Expand All Code (a check cell is collapsed, and a collapsed cell shows an empty placeholder prompt),
+    Run > Run All Cells, then wait until every code cell has run and the kernel is idle."""
+    page.get_by_role("menuitem", name="View", exact=True).click()
+    page.get_by_role("menuitem", name="Expand All Code", exact=True).click()
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     page.wait_for_function(

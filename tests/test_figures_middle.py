@@ -53,4 +53,4 @@ def test_microbatch_labels_do_not_overlap(schedule):
             by_row.setdefault(round(box.y0), []).append(box)
         for row in by_row.values():
             row.sort(key=lambda b: b.x0)
-            assert all(a.x1 <= b.x0 + 0.5 for a, b in zip(row, row[1:]))
+            assert all(a.x1 <= b.x0 + 0.5 for a, b in zip(row, row[1:], strict=False))

@@ -56,18 +56,20 @@ TABLE = [
     ("cp", "64", WRONG, "2,048 tokens a rank, fewer than the planner's minimum of 4,096"),
     ("cp", "12", WRONG, "CP must divide CP x DP = 64, and 12 does not"),
     ("cp", "16.5", WRONG, "a whole number of at least 1, not 16.5"),
-    # interval: right within 25% of Daly's 25.6 min, close within a factor of 2
-    ("interval", "about 25.6 min", RIGHT, "0.00 points lost"),
-    ("interval", "about 20 min", RIGHT, "At 20 min (0.78x the optimum) the expected goodput is 81.4%"),
-    ("interval", "27 min", RIGHT, "Young: sqrt(2 delta M) = 26.9 min"),
-    ("interval", "0.45 h", RIGHT, "from 0.45 h"),
-    ("interval", "1,535 s", RIGHT, "from 1,535 s"),
-    ("interval", "19 min", CLOSE, "sqrt(delta M), without Young's factor 2"),
-    ("interval", "45 min", CLOSE, "within a factor of 2 of the optimum, 25.6 min"),
-    ("interval", "1535", WRONG, "the optimum in seconds"),
-    ("interval", "0.43", WRONG, "the optimum in hours"),
-    ("interval", "5 min", WRONG, "the storage's shared 1 TB/s allows 61.0 MB/s each"),
-    ("interval", "57 h", WRONG, "one GPU's MTBF, 16,384 times the job's"),
+    # interval: right within 25% of Daly's 5.9 min (each GPU writes its share of a deduplicated checkpoint), close
+    # within a factor of 2
+    ("interval", "about 5.9 min", RIGHT, "0.00 points lost"),
+    ("interval", "7 min", RIGHT, "At 7 min (1.19x the optimum) the expected goodput is 91.7%"),
+    ("interval", "6 min", RIGHT, "Young: sqrt(2 delta M) = 5.9 min"),
+    ("interval", "0.1 h", RIGHT, "from 0.1 h"),
+    ("interval", "353 s", RIGHT, "from 353 s"),
+    ("interval", "4.2 min", CLOSE, "sqrt(delta M), without Young's factor 2"),
+    ("interval", "10 min", CLOSE, "within a factor of 2 of the optimum, 5.9 min"),
+    ("interval", "352", WRONG, "the optimum in seconds"),
+    ("interval", "0.098", WRONG, "the optimum in hours"),
+    ("interval", "1 min", WRONG, "the storage's shared 1 TB/s allows 61.0 MB/s each"),
+    ("interval", "12.6 h", WRONG, "one GPU's MTBF, 16,384 times the job's"),
+    ("interval", "25.6 min", WRONG, "That writes 7.12 GB a GPU (its whole replica), but the checkpoint is 0.35 GB"),
     ("interval", "2 days", WRONG, "from 2 days"),
     ("interval", "-5 min", WRONG, "a positive time, not -5 min"),
 ]
@@ -119,8 +121,11 @@ def test_cp_memory_by_hand():
 
 
 def test_interval_is_dalys_by_hand_and_goodput_is_flat_near_it():
-    size = checkpoint_bytes_per_rank("llama3-405b", Layout(8, 16, 128, 2, 16))["total"]
+    size = 14 * make_model(preset="llama3-405b").params / 16_384  # every tensor once, spread over the GPUs
+    assert size == checkpoint_bytes_per_rank("llama3-405b", Layout(8, 16, 128, 2, 16), deduplicate=True)["total"]
     assert f"{size / 1e9:.2f} GB" in _prompt("interval")
+    replica = checkpoint_bytes_per_rank("llama3-405b", Layout(8, 16, 128, 2, 16))["total"]
+    assert f"whole {replica / 1e9:.2f} GB replica" in _prompt("interval")
     delta = size / (1e12 / 16_384)  # the shared 1 TB/s caps each GPU below its 2 GB/s
     mtbf = 54 * 24 * 3600 / 419
     x = delta / (2 * mtbf)

@@ -32,7 +32,9 @@ The scenarios, by the kind of number they ask for:
   (2), because goodput is flat near the optimum (its slope is zero there): a quarter off costs under half a percentage
   point of goodput, a factor of 2 under 3 points; Young's first-order interval (5% longer here) is right too. The
   feedback shows the goodput at the student's interval beside the optimum's, and names the usual slips (seconds
-  or hours for minutes, one GPU's MTBF for the job's, the per-GPU write speed past the storage's shared cap).
+  or hours for minutes, one GPU's MTBF for the job's, the per-GPU write speed past the storage's shared cap, and,
+  with ``deduplicate``, each GPU's whole replica for its share of the deduplicated checkpoint, as lesson 08 §2
+  describes DCP's writes).
 """
 
 from __future__ import annotations
@@ -390,14 +392,25 @@ def _solve_cp(scenario_id: str) -> Solved:
 
 
 # ------------------------------------------------------------------------------------------------ interval
+def _written(deduplicate: bool) -> str:
+    """How each GPU's share of the checkpoint is counted, in words."""
+    return "every tensor once, spread over the GPUs" if deduplicate else "its whole replica"
+
+
 @cache
 def _interval(scenario_id: str) -> IntervalChoice:
     """:func:`course_lib.planner.goodput.choose_interval` for the scenario, as ``python -m course_lib goodput``
     runs it."""
+    return _interval_of(scenario_id, _scenarios()[scenario_id]["deduplicate"])
+
+
+@cache
+def _interval_of(scenario_id: str, deduplicate: bool) -> IntervalChoice:
+    """The scenario's interval with each GPU writing its share of a deduplicated checkpoint, or its whole replica."""
     s = _scenarios()[scenario_id]
     return choose_interval(
         s["preset"], s["gpus"], mtbf_gpu_s=LLAMA3.mtbf_gpu_hours() * 3600, write_bandwidth=s["write_gbps"] * 1e9,
-        restart_s=s["restart_min"] * 60, storage_bandwidth=s["storage_tbps"] * 1e12,
+        restart_s=s["restart_min"] * 60, storage_bandwidth=s["storage_tbps"] * 1e12, deduplicate=deduplicate,
     )  # fmt: skip
 
 
@@ -416,9 +429,11 @@ def _solve_minutes(scenario_id: str) -> Solved:
         """The most goodput lost, in percentage points, at these multiples of the optimum."""
         return 100 * (c.goodput - min(goodput(best * f) for f in factors))
 
+    replica = _interval_of(scenario_id, not s["deduplicate"])  # the other way of writing, for the slip
     working = [
-        f"A checkpoint: {c.checkpoint_bytes / 1e9:.2f} GB a GPU at min({s['write_gbps']} GB/s, {s['storage_tbps']} "
-        f"TB/s / {s['gpus']:,}) = {per_gpu / 1e6:.1f} MB/s takes delta = {c.checkpoint_s:.1f} s. The job's MTBF: "
+        f"A checkpoint: {c.checkpoint_bytes / 1e9:.2f} GB a GPU ({_written(s['deduplicate'])}) at "
+        f"min({s['write_gbps']} GB/s, {s['storage_tbps']} TB/s / {s['gpus']:,}) = {per_gpu / 1e6:.1f} MB/s takes "
+        f"delta = {c.checkpoint_s:.1f} s. The job's MTBF: "
         f"M = {LLAMA3.days} days x 24 h / {LLAMA3.unexpected} = {c.mtbf_job_s / 3600:.2f} h.",
         f"Young: sqrt(2 delta M) = {c.young_s / 60:.1f} min; Daly (the course's optimum): {best:.1f} min, expected "
         f"goodput {c.goodput:.1%}.",
@@ -436,6 +451,11 @@ def _solve_minutes(scenario_id: str) -> Solved:
             math.sqrt(2 * slow_write * c.mtbf_job_s) / 60,
             f"That writes at {s['write_gbps']} GB/s per GPU, but the storage's shared {s['storage_tbps']} TB/s "
             f"allows {per_gpu / 1e6:.1f} MB/s each",
+        ),
+        (
+            replica.daly_s / 60,
+            f"That writes {replica.checkpoint_bytes / 1e9:.2f} GB a GPU ({_written(not s['deduplicate'])}), but "
+            f"the checkpoint is {c.checkpoint_bytes / 1e9:.2f} GB a GPU ({_written(s['deduplicate'])})",
         ),
     ]
 

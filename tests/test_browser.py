@@ -32,12 +32,13 @@ if CHROMIUM is None:
     pytest.skip("browser tests need chromium on PATH (Debian: apt-get install chromium)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright (pip install -e '.[test]')")
 
-from course_lib.parallel.schedules import bubble_formula  # noqa: E402
+from course_lib.parallel.schedules import Costs, bubble_formula  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "out" / "browser"
+LESSON_COSTS = Costs(1, 1, 1)  # lesson 05's costs, where its schedule explorer starts
 FIGURE_ONE = [120.0, 31.4, 16.6, 1.9]  # the ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, mixed precision
 RUN_TIMEOUT_MS = 300_000  # a lesson's cells, ranks included, on a loaded 2-core machine
 UI_TIMEOUT_MS = 60_000
@@ -321,7 +322,7 @@ def test_schedule_explorer_redraws_and_disables_chunks_outside_interleaved(lab, 
         shown = figure.get_attribute("src")
         widget.locator("select").select_option(schedule)
         sync_api.expect(figure).not_to_have_attribute("src", shown)
-        formula = bubble_formula(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1)
+        formula = bubble_formula(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1, LESSON_COSTS)
         sync_api.expect(widget.locator(".widget-output")).to_contain_text(f"the paper's formula: {formula:.4f}")
         if chunks_state == "enabled":
             sync_api.expect(chunks).not_to_have_attribute("disabled", re.compile(".*"))

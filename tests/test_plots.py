@@ -209,6 +209,8 @@ def test_schedule_explorer_redraws_with_its_bubble(capsys):
 
     explorer = schedule_explorer("gpipe", stages=4, microbatches=8)
     controls = {w.description: w for w in explorer.children if hasattr(w, "description")}
+    # It starts at lesson 05's costs: a whole backward (B + W) twice a forward.
+    assert [controls[f"{part} cost"].value for part in "FBW"] == [1.0, 1.0, 1.0]
     controls["microbatches m"].value = 4
     assert plt.gcf().axes[0].get_title() == "gpipe, p=4, m=4: bubble 42.9% of the time"
     controls["schedule"].value = "interleaved"

@@ -80,7 +80,7 @@ def test_schedule_explorer_enables_chunks_for_interleaved_only(capsys):
         ("chunks v", 2),
         ("F cost", 1.0),
         ("B cost", 1.0),
-        ("W cost", 0.0),
+        ("W cost", 1.0),  # lesson 05's costs: a whole backward (B + W) twice a forward
     ]
     assert [name for name, c in shown.items() if c.disabled] == ["chunks v"]
     assert printed(capsys)[-1].startswith("bubble 0.2727; the paper's formula: 0.2727;")

@@ -8,6 +8,7 @@ slider stepping 0.05 in the exponent would move 7.5 to 10^0.9 = 7.94 and send th
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -15,6 +16,9 @@ import matplotlib.pyplot as plt
 from course_lib.model.formulas import model_state_formula
 from course_lib.ui.figures_middle import plot_schedule
 from course_lib.ui.plots import MEMORY_COLORS, ZERO_STAGES, byte_unit, plot_zero_memory
+
+if TYPE_CHECKING:
+    from course_lib.parallel.schedules import Costs
 
 # Room for the longest label ("microbatches m", "GPUs per node") before every control, so that the controls line up.
 LABEL_STYLE = {"description_width": "8.5em"}
@@ -84,14 +88,19 @@ def zero_memory_explorer(params: float = 7.5e9, dp: int = 64, precision: str = "
     )
 
 
-def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int = 8) -> widgets.interactive:
+def schedule_explorer(
+    schedule: str = "1f1b", stages: int = 4, microbatches: int = 8, costs: Costs | None = None
+) -> widgets.interactive:
     """Pick a schedule, the number of stages, microbatches and chunks, and the cost of F, B and W: the simulated
     timeline and its bubble are redrawn beside the paper's formula. Chunks are enabled for the interleaved schedule
     only (zb-v and dualpipev fix 2 per rank, in a V); W stays enabled for all, since a schedule that does not split
-    the backward runs W inside B (B costs B + W). ``result`` is the figure drawn, None if the sizes do not suit the
+    the backward runs W inside B (B costs B + W). The sliders start at ``costs``, by default lesson 05's: F 1, B 1
+    and W 1 (a whole backward twice a forward). ``result`` is the figure drawn, None if the sizes do not suit the
     schedule."""
     from course_lib.parallel.schedule_sim import simulate
     from course_lib.parallel.schedules import SCHEDULES, Costs, bubble_formula, formula_text, generate
+
+    start = costs or Costs(1.0, 1.0, 1.0)
 
     def draw(
         schedule: str, stages: int, microbatches: int, chunks: int, f: float, b: float, w: float
@@ -124,10 +133,10 @@ def schedule_explorer(schedule: str = "1f1b", stages: int = 4, microbatches: int
         stages=widgets.IntSlider(value=stages, min=1, max=8, description="stages p", **slider),
         microbatches=widgets.IntSlider(value=microbatches, min=1, max=16, description="microbatches m", **slider),
         chunks=chunks,
-        f=widgets.FloatSlider(value=1.0, min=0.25, max=3, step=0.25, description="F cost", **slider),
-        b=widgets.FloatSlider(value=1.0, min=0.25, max=3, step=0.25, description="B cost", **slider),
+        f=widgets.FloatSlider(value=start.f, min=0.25, max=3, step=0.25, description="F cost", **slider),
+        b=widgets.FloatSlider(value=start.b, min=0.25, max=3, step=0.25, description="B cost", **slider),
         w=widgets.FloatSlider(
-            value=0.0,
+            value=start.w,
             min=0.0,
             max=3,
             step=0.25,

@@ -30,7 +30,7 @@ from course_lib.cluster import placement as placing
 from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
 from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.topology import Topology
-from course_lib.ledgers import comm
+from course_lib.ledgers import comm, trace
 from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import (
@@ -154,14 +154,17 @@ def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwarg
 
 
 @functools.lru_cache(maxsize=32)
-def reference_run(cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None = None) -> TrainResult:
+def reference_run(
+    cfg: GPTConfig, train: TrainConfig, model: ModelFactory | None = None, timeout: float = 120.0
+) -> TrainResult:
     """:func:`course_lib.model.gpt.train_reference` for this configuration (and model factory), trained once per
     process and kept (treat the result as read-only). With local ranks it trains in a child of the rank server,
-    which has torch's optimizer machinery imported already (importing it here would cost the first run two seconds);
+    which has torch's optimizer machinery imported already (importing it here would cost the first run two seconds),
+    within the run's own ``timeout`` (a long run's reference takes as long as its ranks, on a slow machine more);
     under torchrun, on rank 0 alone, which sends it to the others (the scheme's run has set up their process
     group)."""
     if not launch.under_torchrun():
-        return launch.run(train_reference, 1, cfg, train, model=model)[0]
+        return launch.run(train_reference, 1, cfg, train, model=model, timeout=timeout)[0]
     result = [train_reference(cfg, train, model=model) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(result, src=0)
     return result[0]
@@ -222,12 +225,14 @@ def run_scheme(
     profile, resolved = check_cluster(cluster, world_size)
     rank_fn, plan = wrap(spec, world_size, cfg, train, options, faults, saving, ranks.in_process)
     result, reference = launch_ranks(rank_fn, world_size, cfg, train, ranks, profile is not None, options)
-    report = report_run(spec, world_size, cfg, train, result, reference, plan, options, ranks.in_process)
+    report = report_run(spec, world_size, cfg, train, result, reference, plan, options, ranks)
     if not all(map(math.isfinite, report["losses"])):
         raise RuntimeError(f"{scheme}: losses are not finite: {report['losses']}")
     settings = spec.settings(options)
     if spec.describe is not None:
         report |= spec.describe(world_size, cfg, train, settings)
+    if "pipeline" in report:  # the plan's bubble beside the one this run measured on its own clock
+        report["pipeline"]["measured_bubble_fraction"] = trace.bubble_fraction(result.events, train.steps - 1)
     modeled = model_on_cluster(report, result, cluster, profile, resolved)
     comm_bytes = predicted_comm(spec, world_size, cfg, train, settings, result)
     return SchemeRun(report, result, spec.predict_memory(world_size, cfg, train, settings), comm_bytes, modeled)
@@ -354,7 +359,7 @@ def launch_ranks(
         device=ranks.device,
         **options,
     )
-    return result, reference_run(cfg, train, options.get("model"))
+    return result, reference_run(cfg, train, options.get("model"), ranks.timeout)
 
 
 def report_run(
@@ -366,10 +371,11 @@ def report_run(
     reference: TrainResult,
     plan: checkpoint.CheckpointPlan | None,
     options: dict,
-    in_process: bool,
+    ranks: LaunchSettings,
 ) -> dict:
     """The JSON-ready report: the run's losses and parameters beside the reference's, every rank's memory and
-    bytes moved in the last step, the checkpoints and the precision when the run had them."""
+    bytes moved in the last step, the checkpoints and the precision when the run had them, and the ``verdict``
+    (:func:`verdict`)."""
     start = plan.start if plan is not None else 0
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
@@ -399,11 +405,30 @@ def report_run(
         full = precision.full_precision(train)
         fp32 = (
             train_reference(cfg, full, model=options.get("model"))
-            if in_process
-            else reference_run(cfg, full, options.get("model"))
+            if ranks.in_process
+            else reference_run(cfg, full, options.get("model"), ranks.timeout)
         )
         report["precision"] = precision.summary(train, result[0], losses, fp32.losses[start:])
+        report["precision"]["rel_param_diff_vs_fp32"] = rel_param_diff(reference.params, fp32.params)
+    report["verdict"] = verdict(report, train)
     return report
+
+
+def verdict(report: dict, train: TrainConfig) -> dict:
+    """Whether the run matches one device, each measure beside its tolerance for the run's dtype and precision
+    (:func:`course_lib.model.precision.one_device_tolerances`): ``matches`` and, for ``loss`` and ``params``, the
+    measure's name, its value and its tolerance. A mixed-precision run's parameters may stray from one device's as
+    far as 16-bit rounding moves one device from fp32 (``rel_param_diff_vs_fp32``): the same kind of perturbation."""
+    tolerance = precision.one_device_tolerances(train, max(report["reference_losses"], default=0.0))
+    params_tolerance = tolerance["params"]
+    if params_tolerance is None:
+        params_tolerance = report["precision"]["rel_param_diff_vs_fp32"]
+    measures = {
+        "loss": ("max |loss diff|", report["max_abs_loss_diff"], tolerance["loss"]),
+        "params": (tolerance["params_measure"], report[tolerance["params_key"]], params_tolerance),
+    }
+    rows = {k: {"measure": m, "value": v, "tolerance": t} for k, (m, v, t) in measures.items()}
+    return {"matches": all(r["value"] <= r["tolerance"] for r in rows.values()), **rows}
 
 
 def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:

@@ -104,14 +104,23 @@ def test_run_with_bad_sizes_is_a_clear_error():
         main(["run", "dp", "--world-size", "3"])
 
 
-def test_demo_prints_its_table(capsys):
+def test_demo_prints_its_table(capsys, tmp_path):
     """The command end to end, one step per scheme (its figures: tests/test_plots.py), in this process: the console
     script's own start (``python -m course_lib``, which warms the rank server first) runs in the subprocess tests
-    below, a launching command among them."""
-    assert main(["demo", "--steps", "1", "--world-size", "2"]) == 0
+    below, a launching command among them. Every scheme matches one device; sizes are in kB and MB; the MoE row is
+    explained; the cross-scheme figure is drawn from the same reports."""
+    from course_lib.cli.demo import save_summary, table
+
+    assert main(["demo", "--steps", "1", "--world-size", "2", "--json", str(tmp_path / "demo.json")]) == 0
     out = capsys.readouterr().out
-    assert "scheme" in out and "loss diff" in out
-    assert any(line.startswith("dp") and " 2 " in line for line in out.splitlines())
+    reports = json.loads((tmp_path / "demo.json").read_text())["schemes"]
+    schemes = {r["scheme"] for r in reports}
+    rows = {words[0]: words for words in map(str.split, out.splitlines()) if words[1:2] and words[1].isdigit()}
+    assert set(rows) == schemes and all(row[2] == "yes" for row in rows.values())
+    assert rows["dp"][1] == "2" and rows["dp"][6] in ("kB", "MB")  # states per rank, in decimal units
+    assert "ep trains another model, a mixture of experts" in out
+    assert out.splitlines()[: len(table(reports, 1, "float32"))] == table(reports, 1, "float32")
+    assert save_summary(reports, str(tmp_path)) == str(tmp_path / "summary.png") and (tmp_path / "summary.png").exists()
 
 
 @pytest.mark.slow

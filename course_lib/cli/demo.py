@@ -6,7 +6,7 @@ import argparse
 import os
 import time
 
-from course_lib.cli.common import add_json_flag, positive_int, save_plots, say, write_json
+from course_lib.cli.common import add_json_flag, positive_int, save_plots, saved, say, write_json
 from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
 from course_lib.ledgers.memory import CATEGORIES
 
@@ -24,38 +24,79 @@ def cmd_demo(args: argparse.Namespace) -> int:
             launch.check_world_size(n, args.max_ranks)
     except ValueError as err:
         raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
-    rows, reports = [], []
+    reports = []
     started = time.perf_counter()
     for name, n in sizes.items():  # single: 1 rank; 3d: its default 2 x 2 x 2 grid
         run = run_scheme(name, n, cfgs[name], train, backend=args.backend, device=args.device, **launch_limits(args))
         reports.append(run.report)
-        r0 = run.report["ranks"][0]
-        state = sum(r0["memory"][k] for k in CATEGORIES)
-        rows.append(
-            (
-                name,
-                n,
-                run.report["max_abs_loss_diff"],
-                run.report["rel_param_diff"],
-                state,
-                r0["memory"]["activations_peak"],
-                sum(c["bytes"] for c in r0["comm"].values()),
-            )
-        )
         if args.plot:
             save_plots(run, args.plot)
     write_json({"schemes": reports}, args.json)
-    say(args, f"course_lib demo: the tiny GPT ({reports[0]['params']:,} parameters), {train.steps} steps, {args.dtype}")
-    header = f"{'scheme':<8}{'ranks':>6}{'loss diff':>12}{'param err':>12}{'states/rank':>14}{'activ./rank':>13}"
-    say(args, header + f"{'sent/rank/step':>16}")
-    for name, n, dl, dp, state, act, sent in rows:
-        say(args, f"{name:<8}{n:>6}{dl:>12.2e}{dp:>12.2e}{state:>14,}{act:>13,}{sent:>16,.0f}")
-    say(args, "(bytes; loss diff: largest |difference| of a step's loss; param err: ||params - reference|| /")
-    say(args, " ||reference||, both against the single-device reference trainer)")
+    for line in table(reports, train.steps, args.dtype):
+        say(args, line)
     if args.plot:
+        say(args, "  " + saved(lambda: [save_summary(reports, args.plot)]))
         say(args, f"plots and Chrome traces (open in ui.perfetto.dev) written to {os.path.abspath(args.plot)}/")
     say(args, f"demo took {time.perf_counter() - started:.1f} s")
-    return 0
+    return 0 if all(r["verdict"]["matches"] for r in reports) else 1
+
+
+def size(nbytes: float) -> str:
+    """Bytes in decimal units, three significant digits: ``838 kB``, ``3.33 MB``."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def table(reports: list[dict], steps: int, dtype: str) -> list[str]:
+    """One row per scheme: does it match one device (:func:`course_lib.harness.verdict`), its differences, and what
+    its busiest rank holds and sends; then what the columns mean, and why a scheme on another model differs."""
+    from course_lib.ui.scheme_summary import busiest_rank
+
+    first = reports[0]
+    lines = [
+        f"course_lib demo: the tiny GPT ({first['params']:,} parameters), {steps} step{'s' * (steps != 1)}, {dtype}",
+        f"{'scheme':<8}{'ranks':>6}{'matches':>9}{'loss diff':>11}{'param err':>11}{'states/rank':>13}"
+        f"{'activ./rank':>13}{'sent/rank/step':>16}",
+    ]
+    for r in reports:
+        b = busiest_rank(r)
+        state = sum(b["memory"][k] for k in CATEGORIES)
+        sent = sum(c["bytes"] for c in b["comm"].values())
+        lines.append(
+            f"{r['scheme']:<8}{r['world_size']:>6}{'yes' if r['verdict']['matches'] else 'NO':>9}"
+            f"{r['max_abs_loss_diff']:>11.1e}{r['rel_param_diff']:>11.1e}{size(state):>13}"
+            f"{size(b['memory']['activations_peak']):>13}{size(sent):>16}"
+        )
+    lines += [
+        "matches: within the tolerances of the dtype (run prints them); loss diff: largest |difference| of a step's",
+        "loss; param err: ||params - reference|| / ||reference||, both against the one-device reference; memory and",
+        "bytes sent: the busiest rank's, in the last step.",
+    ]
+    for r in reports:
+        if r["params"] != first["params"]:
+            lines += [
+                f"{r['scheme']} trains another model, a mixture of experts of {r['params']:,} parameters: each rank "
+                f"holds 1/{r['world_size']} of the",
+                "experts and a whole copy of the rest, so its row is not the tiny GPT split, and can hold more than "
+                "one device does.",
+            ]
+    return lines
+
+
+def save_summary(reports: list[dict], folder: str) -> str:
+    """The cross-scheme figure (:func:`course_lib.ui.scheme_summary.plot_scheme_summary`) as ``folder/summary.png``."""
+    import matplotlib.pyplot as plt
+
+    from course_lib.ui.scheme_summary import plot_scheme_summary
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "summary.png")
+    fig = plot_scheme_summary(reports)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

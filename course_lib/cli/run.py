@@ -231,6 +231,7 @@ def _loss_scale(text: str) -> str | float | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from course_lib.cli import echo
     from course_lib.harness import ALIASES, SCHEMES
 
     spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
@@ -242,13 +243,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = run.report
     write_json(report, args.json)
     _say_what_ran(args, report, cfg, train, world_size, options.get("model"))
+    for line in [echo.settings_line(spec.name, settings), *echo.layout_lines(report), echo.bubble_line(report)]:
+        if line:
+            say(args, line)
     _say_checkpoints(args, report)
     _say_results(args, run, cfg)
     if run.modeled is not None:
         _say_modeled(args, report["modeled"])
     if args.plot:
         say(args, "  " + save_plots(run, args.plot))
-    return 0
+    say(args, echo.verdict_line(report))
+    return 0 if report["verdict"]["matches"] else 1
 
 
 def _checked_world_size(args, spec, settings: dict, options: dict, axis_size: int | None) -> int:

@@ -208,6 +208,24 @@ def with_idle(rank_events: Sequence[Event]) -> list[Event]:
     return out
 
 
+WORK = ("forward", "backward", "weight_grad", "recompute")  # a pipeline stage's own passes
+
+
+def bubble_fraction(events_per_rank: Sequence[Sequence[Event]], step: int) -> float:
+    """The measured bubble of ``step``: the share of the ranks' time, from the first rank's first pass to the last
+    rank's last (the makespan), that no forward, backward, weight-gradient or recomputation pass covers. On this
+    machine's clock, so a transfer counts as idle, as it does for a stage waiting on it (Huang et al. 2019, §2.2:
+    the bubble is each stage's idle time)."""
+    work = [[e for e in events if e.kind in WORK and e.tags.get("step") == step] for events in events_per_rank]
+    passes = [e for events in work for e in events]
+    if not passes:
+        raise ValueError(f"no forward or backward pass was recorded in step {step}")
+    makespan = max(e.end for e in passes) - min(e.start for e in passes)
+    idle = sum(e.duration for events in work for e in with_idle(events) if e.kind == "idle")
+    busy = sum(max(e.end for e in events) - min(e.start for e in events) for events in work if events) - idle
+    return 1 - busy / (makespan * len(events_per_rank))
+
+
 def to_chrome_trace(events_per_rank: Sequence[Sequence[Event]], path: str | Path | None = None) -> dict:
     """All ranks' events as a Chrome-trace dict (one track per rank); written to ``path`` when given."""
     trace_events: list[dict] = []

@@ -61,6 +61,33 @@ LOSS_TOLERANCE = 0.02
 # batch before the all-reduce adds them, where one device rounds the whole batch's gradient once: the same kind of
 # perturbation as bf16 against fp32, only smaller, and it drifts the same way.
 DP_TOLERANCE = 0.01
+# How far a parallel run in one dtype may stray from one device: in float64 1e-10 (a correct scheme lands within
+# about 1e-13: only the order of its sums differs); in float32 1e-5 in the loss and in the parameters' relative norm
+# (measured: at most about 1e-6 on the course's runs; elementwise, Adam turns rounding noise near eps into visible
+# steps of single weights, see course_lib.model.gpt.rel_param_diff).
+FLOAT64_TOLERANCE = 1e-10
+FLOAT32_TOLERANCE = 1e-5
+_RELATIVE = {"params_measure": "relative param diff", "params_key": "rel_param_diff"}
+
+
+def one_device_tolerances(train: TrainConfig, loss: float) -> dict:
+    """The tolerances of a run against one device in the same dtype and precision (``loss``: the reference's
+    largest loss, for a relative bound): ``loss`` (of max |loss diff|), and ``params`` of the measure
+    ``params_measure`` (report key ``params_key``). In float64 both 1e-10 and the parameters elementwise; in float32
+    1e-5 and the parameters' relative norm; in mixed precision the loss within :data:`DP_TOLERANCE` of itself and
+    the parameters' relative norm ``None``: as far as the one-device run itself strays from fp32, which the harness
+    measures."""
+    if train.precision is not None:
+        return {"loss": DP_TOLERANCE * loss, "params": None, **_RELATIVE}
+    if train.dtype == "float64":
+        return {
+            "loss": FLOAT64_TOLERANCE,
+            "params": FLOAT64_TOLERANCE,
+            "params_measure": "max |param diff|",
+            "params_key": "max_abs_param_diff",
+        }
+    return {"loss": FLOAT32_TOLERANCE, "params": FLOAT32_TOLERANCE, **_RELATIVE}
+
 
 
 def convention(train: TrainConfig) -> Precision:

@@ -12,7 +12,8 @@ from course_lib.harness import run_scheme  # noqa: E402
 from course_lib.ledgers.comm import CommRecord  # noqa: E402
 from course_lib.ledgers.trace import Event  # noqa: E402
 from course_lib.model.config import TrainConfig  # noqa: E402
-from course_lib.ui.plots import KIND_COLORS, byte_unit, plot_comm, plot_memory, plot_timeline, run_figures
+from course_lib.ui.plots import KIND_COLORS, byte_unit, plot_comm, plot_memory, plot_timeline
+from course_lib.ui.run_figures import run_figures
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,9 @@ def test_a_3d_run_draws_each_ranks_bytes_by_axis_beside_the_prediction(grid_run,
     axes = legend_labels(ax)
     assert axes == ["tp", "pp", "embedding", "dp"]
     assert ax.get_ylabel() == "bytes sent (kB)"
-    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["rank 0\ndp0-pp0-cp0-tp0", "rank 1\ndp0-pp0-cp0-tp1"]
+    # Each rank's coordinates on the axes the run has (no cp0 without CP), two a line, so eight labels never touch.
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["rank 0\ndp0 pp0\ntp0", "rank 1\ndp0 pp0\ntp1"]
+    assert ax.get_title().startswith("3d on 8 ranks: TP 2 x PP 2 x DP 2, 1f1b schedule with 4 microbatches: bytes")
     for rank, (row, predicted) in enumerate(zip(grid_run.report["ranks"], grid_run.predicted_comm, strict=True)):
         bars = [p for p in ax.patches if round(p.get_x() + p.get_width() / 2) == rank]
         solid = [1e3 * p.get_height() for p in bars if not p.get_hatch()]
@@ -148,6 +151,20 @@ def test_the_wall_clock_says_which_step_ran_under_the_memory_meter(dp_run):
     title = plot_timeline(dp_run.result.events, metered_step=1).axes[0].get_title()
     assert "step 1 ran under the memory meter, whose bookkeeping slows it (" in title and "; step 0: " in title
     assert "memory meter" not in plot_timeline(dp_run.result.events).axes[0].get_title()
+
+
+def test_a_runs_timeline_shows_one_ordinary_step_and_says_so(dp_figures):
+    ax = dp_figures["dp_n2_timeline.png"].axes[0]
+    assert ax.get_title().startswith("dp on 2 ranks: what each rank did in step 0 (step 1 ran under the memory meter")
+    assert [t.get_text() for t in ax.texts] == []  # one step: no step marks, and the metered step is not squeezed in
+
+
+def test_where_no_formula_predicts_activations_the_figure_says_so():
+    row = {"params": 4e5, "grads": 4e5, "optimizer": 8e5}
+    ax = plot_memory([row | {"activations_peak": 2e6}], [row], labels=["rank 0"]).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["activations:\nnot\npredicted"]
+    ax = plot_memory([row | {"activations_peak": 2e6}], [row | {"activations": 2e6}]).axes[0]
+    assert len(ax.texts) == 0
 
 
 def test_one_rank_without_collectives_gets_one_lane_and_no_idle():

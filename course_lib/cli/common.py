@@ -43,9 +43,9 @@ def say(args: argparse.Namespace, text: str = "") -> None:
 
 
 def save_plots(run: SchemeRun, folder: str) -> str:
-    """Write a run's figures and Chrome trace into ``folder`` (:func:`course_lib.ui.plots.save_run_figures`); what
+    """Write a run's figures and Chrome trace into ``folder`` (:func:`course_lib.ui.run_figures.save_run_figures`); what
     :func:`saved` says."""
-    from course_lib.ui.plots import save_run_figures
+    from course_lib.ui.run_figures import save_run_figures
 
     return saved(lambda: save_run_figures(run, folder))
 

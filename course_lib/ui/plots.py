@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
 from course_lib.ledgers.comm import CommRecord, summarize
 from course_lib.ledgers.memory import CATEGORIES
-from course_lib.ledgers.trace import Event, to_chrome_trace, with_idle
+from course_lib.ledgers.trace import Event, with_idle
 from course_lib.model.formulas import model_state_formula
-from course_lib.parallel.mesh import name_of
 from course_lib.runtime import checkpoint
 
 if TYPE_CHECKING:
@@ -347,6 +345,10 @@ def plot_memory(
     _stacked_bars(ax, xs, [_mem_parts(m) for m in measured], MEMORY_COLORS, width, scale)
     if predicted:
         _stacked_bars(ax, [x + 2 * shift for x in xs], map(_mem_parts, predicted), MEMORY_COLORS, width, scale, "//")
+        for x, row in zip(xs, predicted, strict=True):  # no formula for this model's activations: said, not hidden
+            if "activations" not in row:
+                states = sum(_mem_parts(row).values()) / scale
+                ax.text(x + 2 * shift, states, "activations:\nnot\npredicted", ha="center", va="bottom", fontsize=7)
     peak_label = textwrap.fill(
         f"measured peak: all bytes live at the worst moment, temporaries included: {temporaries}", 40
     )
@@ -509,54 +511,3 @@ def _drawn_keys(ax, rows: Sequence[dict]) -> list[str]:
         note = textwrap.fill(f"not drawn, 0 bytes sent: {', '.join(silent)}{why}", 30)
         ax.text(1.02, 0.0, note, transform=ax.transAxes, fontsize=8, va="bottom")
     return [key for key, total in totals.items() if total]
-
-
-def _run_name(run: SchemeRun) -> str:
-    return f"{run.report['scheme']}_n{run.report['world_size']}"
-
-
-def run_figures(run: SchemeRun) -> dict[str, plt.Figure]:
-    """A scheme run's figures by file name: timeline, memory, comm (for a 3D run: bytes by axis on every rank
-    beside the prediction) and, when the run was replayed on a modeled cluster, both clocks of its last step."""
-    name = _run_name(run)
-    metered = run.report["steps"] - 1  # every scheme meters the step it reports, the last
-    memory = [r["memory"] for r in run.report["ranks"]]
-    temporaries = TEMPORARIES + (", the gathered parameters" if run.report["scheme"] == "zero3" else "")
-    if run.report["scheme"] == "3d":
-        comm = plot_traffic(
-            run.result.comm,
-            run.predicted_comm,
-            title=f"{name}: bytes each rank sent, by axis",
-            labels=[f"rank {r['rank']}\n{name_of(r['coords'])}" for r in run.report["ranks"]],
-        )
-    else:
-        comm = plot_comm(run.result.comm[0], title=f"{name}: bytes rank 0 sent per step")
-    figures = {
-        f"{name}_timeline.png": plot_timeline(
-            run.result.events, title=f"{name}: what each rank did", metered_step=metered
-        ),
-        f"{name}_memory.png": plot_memory(
-            memory, run.predicted_memory, title=f"{name}: memory per rank", temporaries=temporaries
-        ),
-        f"{name}_comm.png": comm,
-    }
-    if run.modeled is not None:
-        figures[f"{name}_clocks.png"] = plot_clocks(
-            run.result.events, run.modeled, title=f"{name}: last step", metered_step=metered
-        )
-    return figures
-
-
-def save_run_figures(run: SchemeRun, folder: str | Path) -> list[str]:
-    """Write a scheme run's figures (:func:`run_figures`, PNG) and its Chrome trace (JSON) into ``folder``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for filename, fig in run_figures(run).items():
-        fig.savefig(folder / filename, dpi=110)
-        plt.close(fig)
-        written.append(str(folder / filename))
-    trace_file = folder / f"{_run_name(run)}_trace.json"
-    to_chrome_trace(run.result.events, trace_file)
-    written.append(str(trace_file))
-    return written

@@ -227,7 +227,11 @@ def run_scheme(
     result, reference = launch_ranks(rank_fn, world_size, cfg, train, ranks, profile is not None, options)
     report = report_run(spec, world_size, cfg, train, result, reference, plan, options, ranks)
     if not all(map(math.isfinite, report["losses"])):
-        raise RuntimeError(f"{scheme}: losses are not finite: {report['losses']}")
+        first = report["first_step"] + next(i for i, x in enumerate(report["losses"]) if not math.isfinite(x))
+        raise ValueError(
+            f"{scheme}: the loss is not finite from step {first} on ({report['losses']}): the training diverged; "
+            "try a smaller learning rate, or look in the model for a log of 0 or a division by 0"
+        )
     settings = spec.settings(options)
     if spec.describe is not None:
         report |= spec.describe(world_size, cfg, train, settings)

@@ -129,10 +129,53 @@ def test_the_command_line_trains_a_model_from_a_file(tmp_path, capsys):
         ("nowhere.py:build", "there is no file nowhere.py"),
         ("{path}:make", "defines no 'make'"),
         ("no_such_package.models:build", "cannot import no_such_package.models"),
+        ("{dir}/syntax.py:build", "syntax.py, line 2: invalid syntax (a syntax error)"),
+        ("{dir}/raises.py:build", "raised ZeroDivisionError: division by zero ({dir}/raises.py, line 3)"),
+        ("{dir}/exits.py:build", "importing {dir}/exits.py called sys.exit(3); a model file must not exit"),
+        ("{dir}/imports.py:build", "cannot import {dir}/imports.py: No module named 'no_such_package'"),
     ],
 )
 def test_a_bad_model_flag_is_one_line(tmp_path, capsys, spec, message):
+    """Every way a model file can fail to import is one line naming the file (and its line), before any rank."""
     (tmp_path / "student_model.py").write_text(MODEL_FILE)
-    with pytest.raises(SystemExit):
-        main(["run", "dp", "--model", spec.format(path=tmp_path / "student_model.py")])
-    assert message in capsys.readouterr().err
+    (tmp_path / "syntax.py").write_text("import torch\ndef build(:\n    pass\n")
+    (tmp_path / "raises.py").write_text("import torch\n\nSCALE = 1 / 0\n")
+    (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(3)\n")
+    (tmp_path / "imports.py").write_text("import no_such_package\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "dp", "--model", spec.format(path=tmp_path / "student_model.py", dir=tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message.format(dir=tmp_path) in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+class NanLoss(nn.Module):
+    """A model whose loss is NaN from the first batch (a log of 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 8)
+
+    def forward(self, tokens, targets):
+        return (self.embed(tokens).sum() * torch.log(torch.zeros(()))).mean() * 0
+
+
+class Diverges(nn.Module):
+    """A model that trains one step, then its loss becomes NaN (as a diverging run's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.calls = nn.Embedding(128, 8), 0
+
+    def forward(self, tokens, targets):
+        self.calls += 1
+        logits = self.embed(tokens) @ self.embed.weight.T
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 128), targets.reshape(-1))
+        return loss * (float("nan") if self.calls > 1 else 1.0)  # each rank's model: step 0 finite, then NaN
+
+
+def test_a_loss_that_is_not_finite_is_one_line_saying_where(capsys):
+    with pytest.raises(ValueError, match="your NanLoss's loss on the first batch is nan: a loss that is not finite"):
+        run_scheme("dp", 2, model=NanLoss)
+    with pytest.raises(ValueError, match=r"dp: the loss is not finite from step 1 on \(\[[0-9.]+, nan"):
+        run_scheme("dp", 2, train=TrainConfig(steps=2), model=Diverges)

@@ -10,11 +10,13 @@ with structure the model can learn, so losses fall over a few steps.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import sys
-from collections.abc import Callable, Iterable
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -359,7 +361,36 @@ def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.M
             f"your {type(built).__name__}'s forward(tokens, targets) must return the mean loss, a scalar tensor "
             f"with a gradient; it returned {got}"
         )
+    if not torch.isfinite(loss):
+        raise ValueError(
+            f"your {type(built).__name__}'s loss on the first batch is {loss.item()}: a loss that is not finite "
+            "cannot be trained (look for a log of 0, a division by 0 or an overflowing initialisation)"
+        )
     return built
+
+
+@contextlib.contextmanager
+def _importing(spec: str, where: str) -> Iterator[None]:
+    """Any way importing the student's module can fail, as one ValueError naming the file and line: a syntax error,
+    an exception while its top level runs (its innermost line in the module's files), or a ``sys.exit``."""
+    try:
+        yield
+    except SyntaxError as err:
+        raise ValueError(f"--model {spec!r}: {err.filename}, line {err.lineno}: {err.msg} (a syntax error)") from None
+    except ImportError as err:
+        raise ValueError(f"--model {spec!r}: cannot import {where}: {err}") from None
+    except SystemExit as err:
+        raise ValueError(
+            f"--model {spec!r}: importing {where} called sys.exit({err.code!r}); a model file must not exit when it is "
+            "imported: put its script part under `if __name__ == \"__main__\":`"
+        ) from None
+    except Exception as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_LIBRARY)]
+        at = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+        raise ValueError(f"--model {spec!r}: importing {where} raised {type(err).__name__}: {err}{at}") from None
+
+
+_LIBRARY = ("<frozen", str(Path(importlib.__file__).parent), str(Path(__file__).parent))  # not the student's frames
 
 
 def load_factory(spec: str) -> ModelFactory:
@@ -374,12 +405,11 @@ def load_factory(spec: str) -> ModelFactory:
         loader = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(loader)
         sys.modules[path.stem] = module  # so that its functions travel to the ranks by value
-        loader.loader.exec_module(module)
+        with _importing(spec, where):
+            loader.loader.exec_module(module)
     else:
-        try:
+        with _importing(spec, where):
             module = importlib.import_module(where)
-        except ImportError as err:
-            raise ValueError(f"--model {spec!r}: cannot import {where}: {err}") from None
     if not hasattr(module, name):
         raise ValueError(f"--model {spec!r}: {where} defines no {name!r}")
     return getattr(module, name)

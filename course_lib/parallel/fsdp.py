@@ -286,7 +286,7 @@ class FullyShardedDataParallel(nn.Module):
             self._issued += 1
 
     def _end_backward(self) -> None:
-        """Autograd's last act in a backward (Zhao et al. 2023, §3.3: FSDP's post-backward): settle the units whose
+        """Autograd's last act in a backward (Zhao et al. 2023, §3: FSDP's post-backward): settle the units whose
         gradients did not all come (zeros with ``find_unused_parameters``, an error naming them without), free
         every unit, wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
         missing = [p for unit in self.units for p in unit.params if id(p) not in self.ready.arrived]

@@ -1,7 +1,9 @@
 """FSDP around a module that is not the tiny GPT, as an outside assignment would check it (CS336 style): a small
 model with an embedding tied to its output head, a frozen parameter and a frozen bias, built on 2, 3 and 4 gloo
 ranks each seeded differently; after every step the full parameters must equal training the same model in one
-process on the whole batch (float64 to 1e-10, float32 to 1e-5), and PyTorch's own ``fully_shard``. Then the course's
+process on the whole batch (float64 to 1e-10, float32 to 1e-5), and PyTorch's own ``fully_shard``, in PyTorch's loop
+(``backward(); step()``) and with ``finish_gradient_synchronization()`` called as well (the same parameters, the same
+bytes). Then the course's
 ZeRO-3 scheme, which is the same wrapper around the tiny GPT, against the harness and its formulas."""
 
 import copy
@@ -56,22 +58,27 @@ def mlp_layers_and_head(model: TiedMLP) -> list[nn.Module]:
 
 
 NORM_OFF = {"nowhere": (), "everywhere": (0, 1, 2, 3), "on rank 0": (0,)}  # ranks where the LayerNorm gets no gradient
-VARIANTS = {  # name: (dtype, micro-batches, where the LayerNorm gets no gradient, wrapper options)
-    "default": (torch.float64, 1, "nowhere", {}),
+# name: (dtype, micro-batches, where the LayerNorm gets no gradient, wrapper options, calls of
+# finish_gradient_synchronization per step; 0: PyTorch's loop)
+VARIANTS = {
+    "default": (torch.float64, 1, "nowhere", {}, 0),
+    "default-finish-twice": (torch.float64, 1, "nowhere", {}, 2),
     "custom-policy-keep-no-prefetch-accum": (
         torch.float64,
         2,
         "nowhere",
         {"units": mlp_layers_and_head, "reshard_after_forward": False, "prefetch": False},
+        1,
     ),
-    "float32-no-prefetch": (torch.float32, 1, "nowhere", {"prefetch": False}),
+    "float32-no-prefetch": (torch.float32, 1, "nowhere", {"prefetch": False}, 0),
     "compute-float64-over-float32": (
         torch.float32,
         1,
         "nowhere",
         {"units": mlp_layers_and_head, "compute_dtype": torch.float64},
+        0,
     ),
-    "find-unused": (torch.float64, 1, "everywhere", {"find_unused_parameters": True}),
+    "find-unused": (torch.float64, 1, "everywhere", {"find_unused_parameters": True}, 0),
     # Other ranks' units complete earlier: the reduce-scatters must still pair up. Gathering in backward would not
     # (rank 0 never runs the LayerNorm's backward), hence no resharding and no prefetching.
     "find-unused-on-rank-0": (
@@ -79,6 +86,7 @@ VARIANTS = {  # name: (dtype, micro-batches, where the LayerNorm gets no gradien
         1,
         "on rank 0",
         {"find_unused_parameters": True, "reshard_after_forward": False, "prefetch": False},
+        0,
     ),
 }
 
@@ -99,7 +107,7 @@ def rows(tensors: tuple[torch.Tensor, ...], part: int, parts: int) -> list[torch
     return [t[part * size : (part + 1) * size] for t in tensors]
 
 
-def train_wrapped(dtype: torch.dtype, accum: int, norm_off: str, options: dict) -> dict:
+def train_wrapped(dtype: torch.dtype, accum: int, norm_off: str, options: dict, finish_calls: int) -> dict:
     """This rank's FSDP training: the full parameters after every step, and what the units held mid-step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED + rank)  # every rank builds different weights: the wrapper must broadcast rank 0's
@@ -120,7 +128,8 @@ def train_wrapped(dtype: torch.dtype, accum: int, norm_off: str, options: dict) 
                 output_dtypes.add(str(logits.dtype))
                 gathered_after_forward.append([unit.gathered for unit in wrapped.units])
                 (F.cross_entropy(logits, targets) / accum).backward()
-        wrapped.finish_gradient_synchronization()
+        for _ in range(finish_calls):
+            wrapped.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad()
         params.append(wrapped.full_params())
@@ -135,15 +144,14 @@ def train_wrapped(dtype: torch.dtype, accum: int, norm_off: str, options: dict) 
 
 
 def unused_error() -> str:
-    """The message finish_gradient_synchronization raises on every rank when a parameter got no gradient."""
+    """The message backward itself raises on every rank when a parameter got no gradient."""
     torch.manual_seed(SEED + dist.get_rank())
     model = TiedMLP().double()
     model.norm_trains = False
     wrapped = FullyShardedDataParallel(model)
     tokens, features, targets = rows(batch(0, torch.float64), dist.get_rank(), dist.get_world_size())
-    F.cross_entropy(wrapped(tokens, features), targets).backward()
     with pytest.raises(RuntimeError) as error:
-        wrapped.finish_gradient_synchronization()
+        F.cross_entropy(wrapped(tokens, features), targets).backward()
     return str(error.value)
 
 
@@ -231,7 +239,7 @@ WORLD_SIZES = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_any_module_trains_as_in_one_process_after_every_step(n, variant):
-    dtype, accum, norm_off, options = VARIANTS[variant]
+    dtype, accum, norm_off, options, _ = VARIANTS[variant]
     reference = one_process(dtype, norm_off, options, n)
     for rank in ranks(n):
         got = rank["variants"][variant]
@@ -242,6 +250,18 @@ def test_any_module_trains_as_in_one_process_after_every_step(n, variant):
             keep = not options.get("reshard_after_forward", True)
             assert all(all(units) == keep and any(units) == keep for units in got["gathered_after_forward"])
         assert got["output_dtypes"] == {str(options.get("compute_dtype", dtype))}
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_calling_finish_as_well_sends_nothing_more(n):
+    """PyTorch's loop and the same loop calling finish_gradient_synchronization twice per step: the same
+    collectives, op for op and byte for byte."""
+
+    def sent(records, variant):
+        return [(rec.op, rec.tags.get("unit"), rec.sent_bytes) for rec in records if rec.tags.get("variant") == variant]
+
+    for records in ranks(n).comm:
+        assert sent(records, "default-finish-twice") == sent(records, "default") != []
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)

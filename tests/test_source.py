@@ -10,14 +10,14 @@ from course_lib.ui.source import Code, show_code
 
 
 def test_shows_the_current_source_under_its_file_and_lines():
-    code = show_code(data.DataParallel.finish_gradient_synchronization)
-    lines, first = inspect.getsourcelines(data.DataParallel.finish_gradient_synchronization)
+    code = show_code(data.DataParallel._end_backward)
+    lines, first = inspect.getsourcelines(data.DataParallel._end_backward)
     last = first + len(lines) - 1
-    header = f"# course_lib/parallel/data.py, lines {first}-{last}: DataParallel.finish_gradient_synchronization"
+    header = f"# course_lib/parallel/data.py, lines {first}-{last}: DataParallel._end_backward"
     assert code.where == (header,)
     assert code.text.splitlines()[0] == header
     # dedented out of its class
-    assert code.text.splitlines()[1] == "def finish_gradient_synchronization(self) -> None:"
+    assert code.text.splitlines()[1] == "def _end_backward(self) -> None:"
     assert "handle.wait()" in code.text
 
 

@@ -1,6 +1,9 @@
 """ZeroRedundancyOptimizer around a student's own model, tested as an outside assignment would (CS336-style): the toy
 model with frozen and tied parameters, every rank seeded differently, every way of zeroing gradients, and after
-every step the parameters compared with training on one process (float64, rtol 1e-10); sharding the state of an
+every step the parameters compared with training on one process (float64, rtol 1e-10), in PyTorch's loop
+(``backward(); step()``: the step finishes the reduction) and with ``finish_gradient_synchronization()`` called
+as well, twice, or between micro-batches (then each call, and the step, reduce what came since), its bytes those of
+the formula; sharding the state of an
 optimizer whose gradients DataParallel already averaged is bit-identical to not sharding it; the same runs through
 PyTorch's own ZeroRedundancyOptimizer; and the hazards (a parameter without gradient, a module moved after the
 optimizer was built) are errors that say what to do."""
@@ -14,8 +17,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from toy_model import ToyModel, batches, halve_lr_every_step, one_process  # tests/ is on sys.path
 
+from course_lib.ledgers import trace
 from course_lib.parallel.data import DataParallel, batch_shard
-from course_lib.parallel.zero import ZeroRedundancyOptimizer
+from course_lib.parallel.zero import ZeroRedundancyOptimizer, bucket_sizes
 from course_lib.runtime import launch
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
@@ -31,8 +35,13 @@ def zero_grad(form: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         model.zero_grad(set_to_none=False)
 
 
-def sharded_run(optimizer: str, steps: int, options: dict, form: str, accumulate: int, schedule: bool):
-    """Rank function: seeded by rank, the toy model trained by a ZeroRedundancyOptimizer on this rank's rows."""
+def sharded_run(
+    optimizer: str, steps: int, options: dict, form: str, accumulate: int, schedule: bool, finish: str = "never"
+):
+    """Rank function: seeded by rank, the toy model trained by a ZeroRedundancyOptimizer on this rank's rows;
+    ``finish``: when the loop calls finish_gradient_synchronization: "never" (PyTorch's loop), "twice" after the
+    last backward, or "between" micro-batches, after every backward but the last (then without no_sync), so that
+    the step must reduce what the last backward added."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0 if rank == 0 else 100 + rank)  # the optimizer must broadcast rank 0's weights
     model = ToyModel().double()
@@ -44,8 +53,12 @@ def sharded_run(optimizer: str, steps: int, options: dict, form: str, accumulate
         zero_grad(form, model, opt)
         xs, ys = batch_shard(x, rank, n).chunk(accumulate), batch_shard(y, rank, n).chunk(accumulate)
         for k, (xk, yk) in enumerate(zip(xs, ys, strict=True)):
-            with opt.no_sync() if k < accumulate - 1 else torch.enable_grad():
+            with opt.no_sync() if k < accumulate - 1 and finish != "between" else torch.enable_grad():
                 (model(xk, yk) / accumulate).backward()
+            if finish == "between" and k < accumulate - 1:
+                opt.finish_gradient_synchronization()
+        for _ in range(2 if finish == "twice" else 0):
+            opt.finish_gradient_synchronization()
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -53,15 +66,63 @@ def sharded_run(optimizer: str, steps: int, options: dict, form: str, accumulate
     return history, len(opt.buckets)
 
 
-# id: (ranks, optimizer, options, zeroing, micro-batches, learning-rate schedule, buckets)
+# id: (ranks, optimizer, options, zeroing, micro-batches, learning-rate schedule, buckets, finish calls)
 VARIANTS = {
-    "stage1-one-bucket-2": (2, "sgd", {"bucket_mb": None}, "optimizer", 1, False, 1),
-    "stage1-buckets-3-module-zero-grad": (3, "adamw", {"bucket_mb": 0.002}, "module", 1, False, "many"),
-    "stage1-no-sync-4-scheduler": (4, "adamw", {"bucket_mb": 0.002}, "module, in place", 2, True, "many"),
-    "stage1-after-backward-3": (3, "adamw", {"bucket_mb": 0.0015, "overlap": False}, "optimizer", 2, False, "many"),
-    "stage2-buckets-2-module-zero-grad": (2, "adamw", {"stage": 2, "bucket_mb": 0.002}, "module", 1, False, "many"),
-    "stage2-accumulate-4": (4, "adamw", {"stage": 2, "bucket_mb": None}, "optimizer", 2, False, 1),
-    "stage2-never-zeroed-3": (3, "adamw", {"stage": 2, "bucket_mb": 0.002, "overlap": False}, "none", 1, False, "many"),
+    "stage1-one-bucket-2": (2, "sgd", {"bucket_mb": None}, "optimizer", 1, False, 1, "never"),
+    "stage1-one-bucket-2-finish-twice": (2, "sgd", {"bucket_mb": None}, "optimizer", 1, False, 1, "twice"),
+    "stage1-buckets-3-module-zero-grad": (3, "adamw", {"bucket_mb": 0.002}, "module", 1, False, "many", "never"),
+    "stage1-no-sync-4-scheduler": (4, "adamw", {"bucket_mb": 0.002}, "module, in place", 2, True, "many", "never"),
+    "stage1-after-backward-3": (
+        3,
+        "adamw",
+        {"bucket_mb": 0.0015, "overlap": False},
+        "optimizer",
+        2,
+        False,
+        "many",
+        "never",
+    ),
+    "stage1-after-backward-3-finish-between": (
+        3,
+        "adamw",
+        {"bucket_mb": 0.0015, "overlap": False},
+        "optimizer",
+        2,
+        False,
+        "many",
+        "between",
+    ),
+    "stage2-buckets-2-module-zero-grad": (
+        2,
+        "adamw",
+        {"stage": 2, "bucket_mb": 0.002},
+        "module",
+        1,
+        False,
+        "many",
+        "never",
+    ),
+    "stage2-accumulate-4": (4, "adamw", {"stage": 2, "bucket_mb": None}, "optimizer", 2, False, 1, "never"),
+    "stage2-accumulate-4-finish-between": (
+        4,
+        "adamw",
+        {"stage": 2, "bucket_mb": None},
+        "optimizer",
+        2,
+        False,
+        1,
+        "between",
+    ),
+    "stage2-never-zeroed-3": (
+        3,
+        "adamw",
+        {"stage": 2, "bucket_mb": 0.002, "overlap": False},
+        "none",
+        1,
+        False,
+        "many",
+        "never",
+    ),
 }
 
 
@@ -72,11 +133,11 @@ def world_checks() -> dict:
     """Everything this file runs on a world of n ranks without an error, in one launch per world size: the
     variants of that size, the state-only sharding (2 and 4 ranks), PyTorch's ZeRO (3) and resuming (2)."""
     n = dist.get_world_size()
-    out = {
-        name: sharded_run(optimizer, STEPS, options, form, accumulate, schedule)
-        for name, (size, optimizer, options, form, accumulate, schedule, _) in VARIANTS.items()
-        if size == n
-    }
+    out = {}
+    for name, (size, optimizer, options, form, accumulate, schedule, _, finish) in VARIANTS.items():
+        if size == n:
+            with trace.tags(variant=name):
+                out[name] = sharded_run(optimizer, STEPS, options, form, accumulate, schedule, finish)
     if n in (2, 4):
         out["state-only"] = after_data_parallel("ours"), after_data_parallel("plain")
     if n == 3:
@@ -97,7 +158,7 @@ def world(n: int) -> launch.RunResult:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_step_matches_one_process(variant):
-    n, optimizer, options, form, accumulate, schedule, buckets = VARIANTS[variant]
+    n, optimizer, options, form, accumulate, schedule, buckets, _ = VARIANTS[variant]
     reference = one_process(optimizer, STEPS, schedule)
     result = [rank[variant] for rank in world(n)]
     for history, made in result:
@@ -105,6 +166,21 @@ def test_every_step_matches_one_process(variant):
         for step, (mine, theirs) in enumerate(zip(history, reference, strict=True)):
             for name in theirs:
                 assert torch.allclose(mine[name], theirs[name], rtol=1e-10, atol=1e-12), (step, name)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_ledger_is_the_formula_however_often_finish_is_called(variant):
+    """After the broadcast, per step: each flat buffer reduce-scattered once (stage 2, or calls between
+    micro-batches: once per micro-batch) and all-gathered once (a rank sends (n-1)/n of its float64 bytes each);
+    calling finish_gradient_synchronization twice, or leaving it to the step, sends the same."""
+    n, _, options, _, accumulate, _, _, finish = VARIANTS[variant]
+    padded = sum(bucket_sizes(ToyModel(), n, options.get("bucket_mb", 25.0)))
+    scatters = accumulate if options.get("stage") == 2 or finish == "between" else 1
+    for records in world(n).comm:
+        mine = [rec for rec in records if rec.tags.get("variant") == variant and rec.tags.get("phase") != "init"]
+        moved = {op: sum(rec.tensor_bytes for rec in mine if rec.op == op) for op in ("reduce_scatter", "all_gather")}
+        assert {rec.op for rec in mine} == set(moved)
+        assert moved == {"reduce_scatter": scatters * STEPS * 8 * padded, "all_gather": STEPS * 8 * padded}
 
 
 def after_data_parallel(sharded: str, steps: int = 3) -> list[dict[str, torch.Tensor]]:

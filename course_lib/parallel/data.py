@@ -5,7 +5,8 @@ Distributed: Experiences on Accelerating Data Parallel Training", §3).
 * naive (§3.2.1): one all-reduce per gradient, after backward.
 * bucketed with overlap (§3.2.2-3.2.3): gradients are grouped into buckets of about ``bucket_mb``; a hook on each
   parameter notices when a bucket's last gradient is ready and starts its all-reduce at once, while backward goes
-  on computing earlier layers; the optimizer waits for all of them.
+  on computing earlier layers; a callback autograd runs at the end of backward waits for all of them, so that
+  ``loss.backward()`` returns with the gradients averaged, as with PyTorch's DDP.
 * gradient accumulation (§3.2.4, ``no_sync``): inner micro-steps only accumulate local gradients; the last one syncs.
 
 Per step each rank sends 2(n-1)/n x (gradient bytes), however the gradients are grouped. This file also holds the
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
 
 from course_lib.ledgers import comm, trace
 from course_lib.ledgers.comm import Group, ring_factor
@@ -138,6 +141,34 @@ class ReadyGroups:
             self.enabled = was
 
 
+class EndOfBackward:
+    """Calls ``callback`` at the end of every backward pass that runs through a watched output, before
+    ``backward()`` returns: autograd's final callback (``Variable._execution_engine.queue_callback``), queued by a
+    hook on the output's gradient as that backward begins, once however many outputs it runs through. PyTorch's DDP
+    finishes its all-reduces from such a callback (Li et al. 2020, §3.2.3), and its FSDP its post-backward work. An
+    error the callback raises comes out of ``backward()`` as it is."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback, self.queued = callback, False
+
+    def watch(self, output) -> None:
+        """Hook every tensor in ``output`` (nested in tuples, lists, dicts) that requires grad. A forward starts
+        afresh: a backward that raised before its end never ran its callback."""
+        self.queued = False
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._queue)
+
+    def _queue(self, _grad: torch.Tensor) -> None:
+        if not self.queued:
+            self.queued = True
+            Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.queued = False
+        self.callback()
+
+
 class DataParallelStrategy:
     """What a data-parallel scheme adds to plain training; the loop in :func:`train_loop` calls these in order."""
 
@@ -182,7 +213,8 @@ def no_gradient_error(names: list[str], consequence: str, remedy: str) -> Runtim
 
 
 class DataParallel(nn.Module):
-    """Data parallelism around any module (Li et al. 2020, §3; PyTorch's ``DistributedDataParallel``).
+    """Data parallelism around any module (Li et al. 2020, §3; PyTorch's ``DistributedDataParallel``), used as
+    PyTorch's is: ``loss = model(x, y); loss.backward(); optimizer.step()``.
 
     At construction rank 0's parameters and buffers are broadcast to the group. Gradients are averaged in buckets of
     about ``bucket_mb`` megabytes (10^6 bytes; ``None``: one bucket for all), in backward order, or with
@@ -190,14 +222,17 @@ class DataParallel(nn.Module):
     all-reduced, as PyTorch's DDP and Megatron-LM's ``gradient_scaling_factor`` do, so that a sum of fp16 gradients
     cannot overflow where one rank's does not (for n a power of two, bit for bit the sum divided). With ``overlap``
     a bucket's all-reduce starts from a backward hook as soon as its last gradient exists (§3.2.2-3.2.3); otherwise
-    all start after backward. Call :meth:`finish_gradient_synchronization` after backward, before the optimizer
-    step; inside :meth:`no_sync` backward only accumulates (§3.2.4). Gradients are all-reduced in their own dtype: a
-    bf16 one puts half of fp32's bytes on the wire, and an fp32 main gradient
+    all start once backward has computed every gradient. Either way backward finishes the synchronization itself,
+    from autograd's final callback (:meth:`_end_backward`, §3.2.3), so ``backward()`` returns with every rank's
+    gradients averaged; :meth:`finish_gradient_synchronization`, which some assignments ask for, then has nothing
+    left to do. Inside :meth:`no_sync` backward only accumulates (§3.2.4). Gradients are all-reduced in their own
+    dtype: a bf16 one puts half of fp32's bytes on the wire, and an fp32 main gradient
     (:func:`course_lib.model.precision.grad_of`) fp32's.
 
-    A trainable parameter that got no gradient in a step is an error naming it, unless ``find_unused_parameters``,
-    which counts its gradient as zero (and then starts every all-reduce after backward, in the same order on every
-    rank, since a rank cannot know during backward which gradients will never come).
+    A trainable parameter that got no gradient in a backward is an error naming it, raised by that ``backward()``,
+    unless ``find_unused_parameters``, which counts its gradient as zero (and then starts every all-reduce after
+    backward, in the same order on every rank, since a rank cannot know during backward which gradients will never
+    come).
     """
 
     def __init__(
@@ -222,12 +257,16 @@ class DataParallel(nn.Module):
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._in_flight: dict[int, tuple[torch.Tensor, comm.Handle]] = {}
         self.ready = ReadyGroups(self.buckets, self._launch if self.overlap else None)
+        self.end_of_backward = EndOfBackward(self._end_backward)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        self.end_of_backward.watch(output)
+        return output
 
     def no_sync(self):
-        """Inner micro-steps of gradient accumulation: no all-reduce, gradients add up locally."""
+        """Inner micro-steps of gradient accumulation: no all-reduce, gradients add up locally; the first backward
+        after the ``with`` body averages them all (§3.2.4)."""
         return self.ready.paused()
 
     def _launch(self, i: int) -> None:
@@ -235,39 +274,47 @@ class DataParallel(nn.Module):
         with trace.tags(bucket=i):
             self._in_flight[i] = flat, comm.all_reduce(flat, group=self.group, async_op=True)
 
-    def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket's all-reduce (starting those backward did not start) and average the gradients."""
+    def _end_backward(self) -> None:
+        """Autograd's last act in a backward outside :meth:`no_sync`: start every bucket's all-reduce that backward
+        did not (all of them without overlap), wait for each and write the averages into ``.grad``. On the timeline
+        a ``grad_sync`` span at the end of backward; its collectives are tagged ``phase="grad_sync"``."""
+        if not self.ready.enabled:
+            return  # no_sync: the gradients add up locally
         missing = [p for bucket in self.buckets for p in bucket if id(p) not in self.ready.arrived]
         self.ready.reset()
         if missing and not self.find_unused_parameters:
+            self._in_flight = {}
             raise no_gradient_error(
                 [self._names.get(id(p), "?") for p in missing],
                 "their buckets cannot be all-reduced",
                 "pass find_unused_parameters=True to count their gradients as zero",
             )
-        for p in missing:
-            if precision.grad_of(p) is None:
-                precision.set_grad(p, torch.zeros_like(p, dtype=precision.grad_dtype(p)))
-        for i in range(len(self.buckets)):
-            if i not in self._in_flight:
-                self._launch(i)
-        for i in sorted(self._in_flight):
-            flat, handle = self._in_flight[i]
-            handle.wait()
-            for p, averaged in zip(self.buckets[i], split_like(flat, self.buckets[i]), strict=True):
-                precision.grad_of(p).copy_(averaged)
-        self._in_flight = {}
+        with trace.span("compute", "grad_sync", phase="grad_sync"):
+            for p in missing:
+                if precision.grad_of(p) is None:
+                    precision.set_grad(p, torch.zeros_like(p, dtype=precision.grad_dtype(p)))
+            for i in range(len(self.buckets)):
+                if i not in self._in_flight:
+                    self._launch(i)
+            for i in sorted(self._in_flight):
+                flat, handle = self._in_flight[i]
+                handle.wait()
+                for p, averaged in zip(self.buckets[i], split_like(flat, self.buckets[i]), strict=True):
+                    precision.grad_of(p).copy_(averaged)
+            self._in_flight = {}
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing left to do, and nothing sent: every ``backward()`` outside :meth:`no_sync` has already averaged
+        the gradients (:meth:`_end_backward`). Kept for training loops written for a wrapper that needs the call
+        (CS336's assignment asks for one); calling it once, twice or never gives the same step."""
 
 
 class Replicated(DataParallelStrategy):
-    """The shared step's hooks for a :class:`DataParallel` model: accumulation under its ``no_sync``, its
-    gradient synchronization after backward."""
+    """The shared step's hooks for a :class:`DataParallel` model: accumulation under its ``no_sync``; its backward
+    synchronizes the gradients, so the grad_sync phase has nothing left to do."""
 
     def no_sync(self):
         return self.model.no_sync()
-
-    def finish_gradients(self) -> None:
-        self.model.finish_gradient_synchronization()
 
 
 def micro_batches(tokens: torch.Tensor, count: int) -> list[torch.Tensor]:

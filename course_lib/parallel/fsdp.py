@@ -27,7 +27,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves, tree_map
 
 from course_lib.ledgers import comm, trace
@@ -41,6 +40,7 @@ from course_lib.parallel.data import (
     MODEL,
     OVERLAP,
     DataParallelStrategy,
+    EndOfBackward,
     ReadyGroups,
     broadcast_from_first,
     check_batch_split,
@@ -173,12 +173,16 @@ class FullyShardedDataParallel(nn.Module):
     forward and backward in it (floating-point inputs are cast; frozen parameters are kept in it once); gradients
     are reduce-scattered in it and added to the shards in the shards' dtype (FSDP's native mixed precision).
 
-    Call :meth:`finish_gradient_synchronization` after backward, before the optimizer step. A trainable parameter
-    that got no gradient in a backward is an error there, naming it; with ``find_unused_parameters`` its gradient
-    counts as zero. Reduce-scatters start in a fixed unit order on every rank (the units' reverse order, the root
-    last), each as soon as it and all before it are complete; what is missing at the end of backward is then sent
-    with zeros. As with PyTorch's FSDP, every rank must run the same units forward (and, when a unit is gathered
-    again for backward, backward): gathers are collectives, and a unit that one rank skips leaves the others waiting.
+    Used as PyTorch's FSDP is: ``loss.backward(); optimizer.step()``. Backward finishes the reduce-scatters itself,
+    from autograd's final callback (:meth:`_end_backward`), so ``backward()`` returns with the averaged slices added
+    to the shards' gradients (several backward passes before a step accumulate there);
+    :meth:`finish_gradient_synchronization`, which some assignments ask for, then has nothing left to do. A
+    trainable parameter that got no gradient in a backward is an error naming it, raised by that ``backward()``;
+    with ``find_unused_parameters`` its gradient counts as zero. Reduce-scatters start in a fixed unit order on
+    every rank (the units' reverse order, the root last), each as soon as it and all before it are complete; what is
+    missing at the end of backward is then sent with zeros. As with PyTorch's FSDP, every rank must run the same
+    units forward (and, when a unit is gathered again for backward, backward): gathers are collectives, and a unit
+    that one rank skips leaves the others waiting.
     """
 
     def __init__(
@@ -210,9 +214,8 @@ class FullyShardedDataParallel(nn.Module):
         self._in_flight: list[tuple[ShardedUnit, torch.Tensor, comm.Handle]] = []
         self._ready: set[int] = set()
         self._issued = 0  # reduce-scatters started in this backward, in the order of reversed(self.units)
-        self._unused: list[str] = []
         self._forward_order, self._pre_order, self._post_order = list(self.units), [], []
-        self._final_callback_queued = False
+        self.end_of_backward = EndOfBackward(self._end_backward)
         module.register_forward_pre_hook(self._begin_forward)
         module.register_forward_hook(self._end_forward)
         for unit in self.units:
@@ -267,16 +270,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def _end_forward(self, _module: nn.Module, _args: tuple, output) -> None:
         self._forward_order = self._pre_order
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._begin_backward)
+        self.end_of_backward.watch(output)
 
     # -- backward ------------------------------------------------------------------------------------------
-    def _begin_backward(self, _grad: torch.Tensor) -> None:
-        if not self._final_callback_queued:
-            self._final_callback_queued = True
-            Variable._execution_engine.queue_callback(self._end_backward)
-
     def _before_backward(self, unit: ShardedUnit, _grad: torch.Tensor) -> None:
         unit.ensure_gathered()
         if self.prefetch and (previous := _neighbour(self._post_order, unit, -1)) is not None:
@@ -290,31 +286,33 @@ class FullyShardedDataParallel(nn.Module):
             self._issued += 1
 
     def _end_backward(self) -> None:
-        """Autograd's last act in a backward: settle the units whose gradients did not all come, free every unit."""
-        self._final_callback_queued = False
+        """Autograd's last act in a backward (Zhao et al. 2023, §3: FSDP's post-backward): settle the units whose
+        gradients did not all come (zeros with ``find_unused_parameters``, an error naming them without), free
+        every unit, wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
         missing = [p for unit in self.units for p in unit.params if id(p) not in self.ready.arrived]
         self.ready.reset()
         if self.find_unused_parameters:
             for i in range(len(self.units)):
                 self._unit_ready(i)
-        else:
-            self._unused += [self._names[id(p)] for p in missing]
         self._ready, self._issued = set(), 0
         for unit in self.units:
             unit.free()
-
-    def finish_gradient_synchronization(self) -> None:
-        """Wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
-        if self._unused:
-            names, self._unused = self._unused, []
-            raise no_gradient_error(
-                names, "their unit cannot be reduce-scattered", "pass find_unused_parameters=True to count them as zero"
-            )
-        for unit, out, handle in self._in_flight:
+        in_flight, self._in_flight = self._in_flight, []
+        for unit, out, handle in in_flight:
             handle.wait()
             grad = out.to(unit.shard.dtype)
             unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad.add_(grad)
-        self._in_flight = []
+        if missing and not self.find_unused_parameters:
+            raise no_gradient_error(
+                [self._names[id(p)] for p in missing],
+                "their unit cannot be reduce-scattered",
+                "pass find_unused_parameters=True to count them as zero",
+            )
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing left to do, and nothing sent: every ``backward()`` has already added the averaged slices to the
+        shards' gradients (:meth:`_end_backward`). Kept for training loops written for a wrapper that needs the call
+        (CS336's assignment asks for one); calling it once, twice or never gives the same step."""
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
         """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.runtime.checkpoint` saves,
@@ -331,15 +329,6 @@ class FullyShardedDataParallel(nn.Module):
                 comm.all_gather(flat, unit.shard.detach(), group=self.group)
                 whole |= {id(p): value for p, value in zip(unit.params, split_like(flat, unit.params), strict=True)}
         return {name: whole[id(p)].detach().cpu().clone() for name, p in self.module.named_parameters()}
-
-
-class FullyShardedStrategy(DataParallelStrategy):
-    """The shared step's hooks for a :class:`FullyShardedDataParallel` model: its gradient synchronization after
-    backward. The memory meter reads the wrapped module's parameters (the full ones, freed between uses, and the
-    frozen ones whole) besides the shards the optimizer holds."""
-
-    def finish_gradients(self) -> None:
-        self.model.finish_gradient_synchronization()
 
 
 def gpt_blocks(model: TinyGPT) -> list[nn.Module]:
@@ -368,8 +357,7 @@ def train_fsdp(
     module = build_model(cfg, train, model).to(launch.rank_device())
     fsdp = FullyShardedDataParallel(module, policy_for(model), reshard_after_forward, prefetch=overlap)
     optimizer = precision.optimizer_class(train, sharded=True)(fsdp.parameters(), **optimizer_settings(train))
-    strategy = FullyShardedStrategy(fsdp, optimizer)
-    report = train_loop(strategy, cfg, train, grad_accum, measure_memory)
+    report = train_loop(DataParallelStrategy(fsdp, optimizer), cfg, train, grad_accum, measure_memory)
     return {**report, "params": fsdp.full_params()}
 
 

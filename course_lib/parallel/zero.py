@@ -97,8 +97,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     so learning-rate schedulers work as usual. Pass ``model.named_parameters()`` and errors name the parameters.
 
     ``average_gradients`` (default): each bucket's gradients are reduce-scattered and averaged over ``group``,
-    from a backward hook as soon as they exist (``overlap``) or at :meth:`step`; use :meth:`no_sync` for the inner
-    micro-steps of gradient accumulation at stage 1. Without it the gradients must already be averaged (by
+    from a backward hook as soon as they exist (``overlap``) or at :meth:`step`, which always finishes the
+    reduction first (:meth:`finish_gradient_synchronization`), so ``loss.backward(); optimizer.step()`` is the whole
+    loop, as with any optimizer; use :meth:`no_sync` for the inner micro-steps of gradient accumulation at stage 1.
+    The reduction is finished by the step, not by autograd as :class:`course_lib.parallel.data.DataParallel` finishes
+    its all-reduces: an optimizer sees no forward pass to hook, and a step may run several backward passes (a
+    pipeline's micro-batches) with gradient work of its own between the last one and the reduction (3D's tied
+    embedding). Without ``average_gradients`` the gradients must already be averaged (by
     :class:`course_lib.parallel.data.DataParallel`, as PyTorch's version expects from DDP): each rank only takes its
     slice of them, and only the optimizer state is sharded.
 
@@ -162,11 +167,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.defaults = self.optim.defaults
         copy_hyperparameters(self.optim.param_groups, self.param_groups)  # the inner optimizer's defaults too
         self._in_flight: list[tuple[int, torch.Tensor, comm.Handle]] = []
-        self._reduced: set[int] = set()  # buckets reduce-scattered since the last step
-        self._synchronized = False  # the slices' gradients are set for the coming step
+        self._reduced: set[int] = set()  # buckets reduce-scattered since the last step, and not due again
         self.ready = None
-        if average_gradients and (overlap or stage == 2):  # stage 2 also needs to know which gradients came
-            self.ready = ReadyGroups([b.params for b in self.buckets], self._reduce_scatter if overlap else None)
+        if average_gradients:  # which gradients came, and when a bucket's all have
+            self.ready = ReadyGroups([b.params for b in self.buckets], self._reduce_scatter if overlap else self._due)
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "optim"):
@@ -207,10 +211,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._in_flight.append((i, out, comm.reduce_scatter(out, flat, group=self.group, async_op=True)))
         self._reduced.add(i)
 
+    def _due(self, i: int) -> None:
+        """Without overlap: bucket ``i``'s gradients have all come (again), so its reduce-scatter is due at the
+        next :meth:`finish_gradient_synchronization`, even if one already ran this step (a backward after it)."""
+        self._reduced.discard(i)
+
     def finish_gradient_synchronization(self) -> None:
-        """Reduce-scatter every bucket backward did not (or did only in part), wait, and set each slice's gradient
-        to the average (stage 2: add it). Without ``average_gradients``: take each slice of the averaged gradients.
-        :meth:`step` calls it; call it yourself to see the slices' gradients before stepping."""
+        """Reduce-scatter every bucket not reduced since its gradients last came (or that got them only in part),
+        wait, and set each slice's gradient to the average (stage 2: add it). Without ``average_gradients``: take
+        each slice of the averaged gradients. :meth:`step` calls it; call it yourself to see the slices' gradients
+        before stepping (a second call, or the step's, then sends nothing)."""
         if not self.average_gradients:
             for bucket, shard in zip(self.buckets, self._slices, strict=True):
                 missing = [p for p in bucket.params if grad_of(p) is None]
@@ -221,7 +231,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         "count their gradients as zero (DataParallel(find_unused_parameters=True) does)",
                     )
                 set_grad(shard, bucket.flatten([grad_of(p) for p in bucket.params])[bucket.lo : bucket.hi].clone())
-            self._synchronized = True
             return
         partial = self.ready.partly_arrived() if self.ready is not None else set()
         for i in range(len(self.buckets)):
@@ -234,7 +243,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             shard = self._slices[i]
             set_grad(shard, out if self.stage == 1 or grad_of(shard) is None else grad_of(shard).add_(out))
         self._in_flight = []
-        self._synchronized = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -245,9 +253,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_parameters_in_place()
-        if not self._synchronized:
-            self.finish_gradient_synchronization()
-        self._reduced, self._synchronized = set(), False
+        self.finish_gradient_synchronization()
+        self._reduced = set()
         copy_hyperparameters(self.param_groups, self.optim.param_groups)
         self.optim.step()
         for shard in self._slices:

@@ -68,9 +68,8 @@ def check_training(
         return Verdict(
             False,
             f"after {steps} steps the {world_size} ranks hold different parameters (up to {apart:.1e} apart): their "
-            f"copies started from different weights or took different steps. Wrap the model (DataParallel copies "
-            f"rank 0's weights at construction and averages the gradients) and call "
-            f"finish_gradient_synchronization() after backward, before the optimizer step.",
+            f"copies started from different weights or took different steps. Wrap the model: DataParallel copies "
+            f"rank 0's weights at construction, and every backward averages the gradients over the ranks.",
         )
     if off > TOLERANCE:
         return Verdict(

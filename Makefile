@@ -3,11 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+TORCH  := $(shell sed -n 's/.*"torch==\([^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: lab demo test test-slow lint html clean
 
 # (Re)create the virtual environment whenever the pinned dependencies change.
 $(STAMP): pyproject.toml jupyter-config/ipython_kernel_config.py
+	@echo "Installing the course's pinned packages into $(VENV)/ (torch $(TORCH), JupyterLab, the test tools: about 1.5 GB;"
+	@echo "1 to 3 minutes the first time, seconds after that; later runs reinstall only when pyproject.toml changes)."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[lab,test]"
 	mkdir -p $(VENV)/etc/ipython && cp jupyter-config/ipython_kernel_config.py $(VENV)/etc/ipython/

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.cli import build_parser
+from course_lib.cli import build_parser, main
 from course_lib.cli.common import gpu_count, param_count, program_name, token_count
 
 COMMANDS = ["memory", "run", "demo", "schedule", "hardware", "calibrate", "plan", "goodput"]
@@ -158,16 +158,27 @@ def test_every_flag_of_every_command_has_help():
 
 
 def test_every_example_in_every_help_parses():
-    """The examples each ``--help`` shows are command lines its parser accepts (they run: the README's and the tests'
-    own, some of them)."""
+    """The examples each ``--help`` shows are command lines its parser accepts."""
+    for name in COMMANDS:
+        assert 2 <= len(examples(name)) <= 4, name
+        for argv in examples(name):
+            assert build_parser().parse_args([name, *argv]).command == name
+
+
+def examples(name: str) -> list[list[str]]:
+    """The command lines of ``name``'s examples, as its ``--help`` shows them (after the command's name)."""
     parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    for name, command in commands.items():
-        lines = [line.split("%(prog)s", 1)[1] for line in command.epilog.splitlines() if "%(prog)s" in line]
-        assert 2 <= len(lines) <= 4, name
-        for line in lines:
-            args = parser.parse_args([name, *shlex.split(line)])
-            assert args.command == name
+    command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return [shlex.split(line.split("%(prog)s", 1)[1]) for line in command.epilog.splitlines() if "%(prog)s" in line]
+
+
+@pytest.mark.parametrize("name", ["memory", "schedule", "hardware", "plan", "goodput"])
+def test_the_examples_of_the_commands_that_start_no_rank_run(name, tmp_path, monkeypatch, capsys):
+    """(run's and demo's examples parse, above; tests/test_cli.py runs commands like them.)"""
+    monkeypatch.chdir(tmp_path)  # schedule's example draws into out/
+    for argv in examples(name):
+        assert main([name, *argv]) == 0, argv
+        assert capsys.readouterr().out
 
 
 def test_demo_help_names_no_flag_it_does_not_take():

@@ -59,9 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "goodput",
         "checkpoint interval and goodput for a model on a cluster (Young, Daly)",
         [
-            ("--gpus 16K", "Llama 3 405B on 16,384 GPUs at Llama 3's failure rate"),
+            ("--gpus 16384", "Llama 3 405B on 16,384 GPUs at Llama 3's failure rate"),
             ("--preset llama3-70b --gpus 2048 --write-gbps 5 --restart-min 5", "faster writes, faster restarts"),
-            ("--gpus 16K --stall-s 2 --deduplicate", "asynchronous checkpoints, each replica written once"),
+            ("--gpus 16384 --stall-s 2 --deduplicate", "asynchronous checkpoints, each replica written once"),
         ],
         usage="--gpus N [options]",
     )

@@ -183,7 +183,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         "choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why",
         [
-            ("--preset llama3-405b --gpus 16K", "Llama 3 405B on 16,384 GPUs: TP 8 x PP 16 x DP 128"),
+            ("--preset llama3-405b --gpus 16384", "Llama 3 405B on 16,384 GPUs: TP 8 x PP 16 x DP 128"),
             ("--params 70B --gpus 512 --hardware a100", "a GPT-3-like 70B model on A100s"),
             ("--preset llama3-405b --gpus 16384 --tp 8 --pp 16 --dp 128 --schedule zb-h1", "one given layout"),
             ("--params 7B --gpus 256 --topology tpu-v5p", "the traffic timed on a torus"),

@@ -106,8 +106,8 @@ def test_run_with_bad_sizes_is_a_clear_error():
 
 def test_demo_prints_its_table(capsys):
     """The command end to end, one step per scheme (its figures: tests/test_plots.py), in this process: the console
-    script's own start (``python -m course_lib``, which warms the rank server first) runs in the subprocess tests
-    below, a launching command among them."""
+    script's own start (``python -m course_lib``, which warms the rank server once the arguments are accepted) runs
+    in the subprocess tests below, a launching command among them."""
     assert main(["demo", "--steps", "1", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "scheme" in out and "loss diff" in out

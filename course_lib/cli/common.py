@@ -64,7 +64,9 @@ def write_json(data: dict, target: str | None) -> None:
                 f.write(text + "\n")
             return
         except OSError as err:
-            print(f"course-lib: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr)
+            print(
+                f"{program_name()}: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr
+            )
     print(text)
 
 

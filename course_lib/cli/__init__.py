@@ -33,8 +33,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=program_name(), description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    prog = program_name()
+    parser = _Parser(
+        prog=prog,
+        usage="%(prog)s COMMAND [options]",
+        description="The course's command line: memory, run, demo, schedule, plan, goodput, hardware and calibrate.",
+        epilog=f"{prog} COMMAND --help: a command's flags, and examples to start from.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, prog=prog)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

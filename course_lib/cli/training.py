@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.cli.common import natural, positive_float, positive_int
+from course_lib.cli.common import natural, positive_float, positive_int, token_count
 from course_lib.model.config import RECOMPUTE_MODES, GPTConfig, TrainConfig
 
 MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
@@ -120,7 +120,7 @@ def _add_model_flags(model: argparse._ArgumentGroup, modeled: dict) -> None:
     model.add_argument(
         "--heads", type=positive_int, metavar="N", help="attention heads, must divide --hidden (default 4)"
     )
-    model.add_argument("--seq", type=positive_int, metavar="N", help=f"tokens per sequence ({default('seq', 32)})")
+    model.add_argument("--seq", type=token_count, metavar="N", help=f"tokens per sequence ({default('seq', 32)})")
     model.add_argument(
         "--batch", type=positive_int, metavar="N", help=f"global batch in sequences ({default('batch', 8)})"
     )

@@ -43,6 +43,7 @@ from course_lib.model.gpt import (
     rel_param_diff,
     train_reference,
 )
+from course_lib.parallel import catalog
 from course_lib.parallel.interface import Scheme
 from course_lib.runtime import checkpoint, launch
 from course_lib.runtime.faults import Fault, injected
@@ -54,7 +55,8 @@ SCHEMES: dict[str, Scheme] = {
     for module in SCHEME_MODULES
     for spec in importlib.import_module(f"course_lib.parallel.{module}").SCHEMES
 }
-ALIASES = {"fsdp": "zero3"}
+ALIASES = catalog.ALIASES
+catalog.check(SCHEMES)  # the command line parses with the catalog: it must say what the registry says
 
 
 @dataclass(frozen=True)

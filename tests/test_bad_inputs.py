@@ -172,7 +172,7 @@ BAD = (
         (["memory", "--params", "0"], "--params: must be a finite number greater than 0"),
         (["memory", "--params", "nan"], "--params: must be a finite number greater than 0"),
         (["memory", "--params=-7e9"], "--params: must be a finite number greater than 0"),
-        (["memory", "--params", "1e400"], "--params: must be a finite number greater than 0"),
+        (["memory", "--params", "1e400"], "--params: must be at most 1e+15"),
         (["memory", "--params", "seven"], "'seven' is not a number"),
         (["memory", "--params", "7e9", "--zero", "4"], "invalid choice: 4"),
         (["memory", "--params", "7e9", "--dp", "0"], "--dp: must be a whole number of at least 1"),

@@ -106,9 +106,9 @@ def test_run_with_bad_sizes_is_a_clear_error():
 
 def test_demo_prints_its_table(capsys, tmp_path):
     """The command end to end, one step per scheme (its figures: tests/test_plots.py), in this process: the console
-    script's own start (``python -m course_lib``, which warms the rank server first) runs in the subprocess tests
-    below, a launching command among them. Every scheme matches one device; sizes are in kB and MB; the MoE row is
-    explained; the cross-scheme figure is drawn from the same reports."""
+    script's own start (``python -m course_lib``, which warms the rank server once the arguments are accepted) runs
+    in the subprocess tests below, a launching command among them. Every scheme matches one device; sizes are in kB
+    and MB; the MoE row is explained; the cross-scheme figure is drawn from the same reports."""
     from course_lib.cli.demo import save_summary, table
 
     assert main(["demo", "--steps", "1", "--world-size", "2", "--json", str(tmp_path / "demo.json")]) == 0

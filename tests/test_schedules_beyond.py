@@ -15,6 +15,7 @@ from course_lib.model.config import GPTConfig, Layout, TrainConfig
 from course_lib.parallel.schedule_sim import check, simulate
 from course_lib.parallel.schedules import (
     COMPUTE,
+    PIPELINE_SCHEDULES,
     V_SHAPED,
     Costs,
     bubble_formula,
@@ -29,7 +30,6 @@ from course_lib.parallel.schedules import (
     virtual_stage,
 )
 from course_lib.planner.evaluate import evaluate_layout
-from course_lib.planner.layouts import PIPELINE_SCHEDULES
 from course_lib.planner.reasons import beyond_search
 from course_lib.planner.search import plan
 

@@ -14,15 +14,18 @@ from course_lib import cli, harness
 from course_lib.harness import SCHEMES, run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.parallel import catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def with_toy(monkeypatch):
-    """The one registry line: what adding tests/toy_scheme.py to SCHEME_MODULES does."""
+    """The one registry line and the catalog's card: what adding tests/toy_scheme.py to SCHEME_MODULES and its
+    name, axes and options to parallel/catalog.py does."""
     for spec in toy_scheme.SCHEMES:
         monkeypatch.setitem(SCHEMES, spec.name, spec)
+        monkeypatch.setitem(catalog.CARDS, spec.name, catalog.Card(spec.name, spec.axes, spec.options))
 
 
 def test_a_new_scheme_runs_through_the_harness_equal_to_one_device_and_to_its_formulas(with_toy):

@@ -1,11 +1,15 @@
-"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan, hardware and calibrate.
+"""``python -m course_lib`` (also ``course-lib``): memory, run, demo, schedule, plan, goodput, hardware and calibrate.
 
 Every command takes ``--json FILE`` (``-`` for standard output) to write its result as JSON.
 
 One module per command (:mod:`~course_lib.cli.memory`, :mod:`~course_lib.cli.run`, ...), each with its ``cmd_*`` and
-the ``add_parser`` that adds its sub-parser; :mod:`~course_lib.cli.common` holds what they share (output, number
-types, output-path checks) and :mod:`~course_lib.cli.training` the tiny GPT's flags that ``run`` and ``demo`` share.
-Here: the top-level parser, assembled from each command's ``add_parser``, and :func:`main`.
+the ``add_parser`` that adds its sub-parser; :mod:`~course_lib.cli.common` holds what they share (sub-parsers with
+examples, output, number and size types, output-path checks) and :mod:`~course_lib.cli.training` the tiny GPT's flags
+that ``run`` and ``demo`` share. Here: the top-level parser, assembled from each command's ``add_parser``, and
+:func:`main`.
+
+Parsing imports no torch (the vocabularies come from torch-free modules; a command imports what it runs with inside
+its ``cmd_*``), so ``--help`` and every refusal of an argument answer at once and start nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ import os
 import sys
 
 from course_lib.cli import calibrate, demo, goodput, hardware, memory, plan, run, schedule
-from course_lib.cli.common import check_outputs, is_lead
-from course_lib.runtime.launch import RankError
+from course_lib.cli.common import check_outputs, is_lead, program_name
 
 COMMANDS = (memory, run, demo, schedule, hardware, calibrate, plan, goodput)  # in the order --help lists them
 
@@ -30,8 +33,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="course-lib", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    prog = program_name()
+    parser = _Parser(
+        prog=prog,
+        usage="%(prog)s COMMAND [options]",
+        description="The course's command line: memory, run, demo, schedule, plan, goodput, hardware and calibrate.",
+        epilog=f"{prog} COMMAND --help: a command's flags, and examples to start from.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, prog=prog)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
@@ -39,17 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # refused by the command's own parser, which names its own help
+        args.parser.error(f"unrecognized arguments: {' '.join(extras)}")
     check_outputs(args.parser, args)
     try:
         return args.func(args)
-    except RankError as err:  # the failing rank's own lines, not the launcher's traceback
-        if is_lead():
-            # A numerical diagnosis (fp16 gradients overflowing) says what to change; its traceback adds nothing.
-            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else err
-            print(f"course-lib {args.command}: {said}", file=sys.stderr)
-        return 1
     except SystemExit as stop:  # a refusal: under torchrun every rank refuses, rank 0 says why
+        from course_lib.runtime import forkserver
+
+        forkserver.discard()  # a rank server warmed for the run that was refused
         if isinstance(stop.code, str) and not is_lead():
             return 1
         raise
@@ -58,3 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a command ended by SIGPIPE
+    except Exception as err:
+        launch = sys.modules.get("course_lib.runtime.launch")  # never imported: no rank ran, no RankError
+        if launch is None or not isinstance(err, launch.RankError):
+            raise
+        if is_lead():  # the failing rank's own lines, not the launcher's traceback
+            # A numerical diagnosis (fp16 gradients overflowing) says what to change; its traceback adds nothing.
+            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else err
+            print(f"{parser.prog} {args.command}: {said}", file=sys.stderr)
+        return 1

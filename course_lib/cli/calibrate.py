@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from course_lib.cli.common import add_json_flag, say, write_json
+from course_lib.cli.common import add_json_flag, command_parser, say, write_json
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
+
+    import torch
 
     from course_lib.cluster import calibrate
     from course_lib.cluster.profiles import save_profile
@@ -83,8 +83,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``calibrate``'s flags: the device, the profile's name and file, whose links it takes, how much it measures."""
     from course_lib.cluster.profiles import PROFILES
 
-    cal = subparsers.add_parser(
-        "calibrate", help="measure this GPU (or CPU) as a hardware profile and time a training step beside the model"
+    cal = command_parser(
+        subparsers,
+        "calibrate",
+        "measure this GPU (or CPU) as a hardware profile and time a training step beside the model",
+        [
+            ("--quick", "about a second: small sizes, the tiny GPT only"),
+            ("--device cpu --name laptop", "this CPU, saved as the profile laptop (then: --hardware laptop)"),
+            ("--no-train --json -", "the rates only, as JSON"),
+        ],
     )
     cal.add_argument("--device", help="cpu, cuda or cuda:N (default: the first GPU, else the CPU)")
     cal.add_argument("--name", help="the profile's name (default: measured- and the device's model)")

@@ -1,9 +1,11 @@
-"""What every command shares: its output (the lines it prints, ``--json FILE``, the figures it saves), the types of
-its number flags, and the check of an output path before any work starts."""
+"""What every command shares: its sub-parser (help and examples), its output (the lines it prints, ``--json FILE``,
+the figures it saves), the types of its number flags (sizes with suffixes: ``7B``), and the check of an output path
+before any work starts. Nothing here imports torch: a command's ``--help`` and its refusals answer without it."""
 
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import math
 import os
@@ -13,6 +15,36 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun
+
+
+def program_name(argv0: str | None = None) -> str:
+    """The command as it was typed (``sys.argv[0]`` by default): ``python -m course_lib`` for the package's
+    ``__main__``, else ``course-lib``, the console script (and the name in-process callers such as the tests see)."""
+    folder, script = os.path.split(os.path.abspath(sys.argv[0] if argv0 is None else argv0))
+    return (
+        "python -m course_lib" if (os.path.basename(folder), script) == ("course_lib", "__main__.py") else "course-lib"
+    )
+
+
+def command_parser(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    examples: list[tuple[str, str]],
+    usage: str = "[options]",
+) -> argparse.ArgumentParser:
+    """A command's sub-parser: a short usage line (``usage`` after the command), its one-line summary, and its
+    examples below the flags, each a comment and the command line (what follows the command's name), as the
+    command was typed (``%(prog)s``)."""
+    epilog = "examples:" + "".join(f"\n  # {why}\n  %(prog)s {line}".rstrip() for line, why in examples)
+    return subparsers.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        usage=f"%(prog)s {usage}",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def is_lead() -> bool:
@@ -32,7 +64,9 @@ def write_json(data: dict, target: str | None) -> None:
                 f.write(text + "\n")
             return
         except OSError as err:
-            print(f"course-lib: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr)
+            print(
+                f"{program_name()}: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr
+            )
     print(text)
 
 
@@ -89,9 +123,58 @@ def nonnegative_float(text: str) -> float:
     return _number(text, float, 0.0, strict=False)
 
 
-def add_json_flag(p: argparse.ArgumentParser) -> None:
-    """``--json FILE``, the last flag of every command, and the parser a refusal of an output path names."""
-    p.add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
+SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}  # thousand, million, billion, trillion
+
+
+def _size(text: str, whole: bool, most: int, beyond: str) -> decimal.Decimal:
+    """``text`` as a count: a number, in any notation Python reads (``175e9``), with an optional suffix K, M, B (or
+    G) or T, in either case (``7B``, ``1.5T``, ``70M``, ``8k``: decimal, K is 1,000); refused with one line if it
+    is not a number, not finite, below 1, not whole where ``whole``, or above ``most`` (``beyond`` says why)."""
+    body, scale = text.strip(), 1
+    if body[-1:].lower() in SUFFIXES:
+        body, scale = body[:-1], SUFFIXES[body[-1].lower()]
+    try:
+        number = decimal.Decimal(body)  # exact: 1.1K is 1100, not 1100.0000000000002
+    except decimal.InvalidOperation:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number (a count such as 7B, 1.5T, 70M, 8K or 175e9)"
+        ) from None
+    wanted = "a whole number of at least 1" if whole else "a finite number greater than 0"
+    if not number.is_finite() or number <= 0:
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+    try:
+        value = number * scale
+    except decimal.Overflow:
+        value = decimal.Decimal(most) + 1
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most:.0e} ({beyond}), got {text}")
+    if whole and value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def param_count(text: str) -> float:
+    """A number of parameters: ``7B``, ``1.5T``, ``70M``, ``175e9``; at most 1e15."""
+    return float(_size(text, whole=False, most=10**15, beyond="a thousand times the largest model trained"))
+
+
+def gpu_count(text: str) -> int:
+    """A number of GPUs: ``16384``, ``16K``, ``100k``; a whole number, at most 1e7."""
+    return int(_size(text, whole=True, most=10**7, beyond="more GPUs than any cluster holds"))
+
+
+def token_count(text: str) -> int:
+    """A number of tokens (a sequence's length, a vocabulary) or of sequences (a batch): ``8K``, ``128k``; a whole
+    number, at most 1e9."""
+    return int(_size(text, whole=True, most=10**9, beyond="more than any model takes"))
+
+
+def add_json_flag(p: argparse.ArgumentParser, group: argparse._ArgumentGroup | None = None) -> None:
+    """``--json FILE``, the last flag of every command (in ``group`` if given), and the parser a refusal of an output
+    path names."""
+    (group or p).add_argument("--json", metavar="FILE", help="write the result as JSON (- for standard output)")
     p.set_defaults(parser=p)
 
 

@@ -6,12 +6,15 @@ import argparse
 import os
 import time
 
-from course_lib.cli.common import add_json_flag, positive_int, save_plots, saved, say, write_json
-from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.cli.common import add_json_flag, command_parser, positive_int, save_plots, saved, say, write_json
+from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config, training_groups
+from course_lib.ledgers.categories import CATEGORIES
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from course_lib.runtime import forkserver
+
+    forkserver.warm()  # the arguments are accepted: the rank server imports torch beside this process
     from course_lib.harness import SCHEMES, run_scheme, validate
     from course_lib.runtime import launch
 
@@ -101,8 +104,20 @@ def save_summary(reports: list[dict], folder: str) -> str:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``demo``'s flags: the world size and the training flags it shares with ``run``."""
-    demo = subparsers.add_parser("demo", help="run every scheme on CPU ranks and print a summary table")
-    demo.add_argument("--world-size", type=positive_int, default=4)
-    add_training_flags(demo)
+    demo = command_parser(
+        subparsers,
+        "demo",
+        "run every scheme on CPU ranks and print a summary table",
+        [
+            ("", "every scheme on 4 ranks (grids on their own), 3 steps"),
+            ("--world-size 2 --steps 1", "the quickest look"),
+            ("--dtype float64 --json -", "in float64, the reports as JSON"),
+        ],
+    )
+    groups = training_groups(demo)
+    groups["what to run"].add_argument(
+        "--world-size", type=positive_int, default=4, metavar="N", help="ranks of every one-axis scheme (default 4)"
+    )
+    add_training_flags(groups, modeled=False)
     demo.set_defaults(func=cmd_demo)
-    add_json_flag(demo)
+    add_json_flag(demo, groups["output"])

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import math
 
-from course_lib.cli.common import add_json_flag, nonnegative_float, positive_float, positive_int, say, write_json
+from course_lib.cli.common import (
+    add_json_flag,
+    command_parser,
+    gpu_count,
+    nonnegative_float,
+    positive_float,
+    say,
+    write_json,
+)
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
@@ -46,9 +54,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``goodput``'s flags: the model and cluster, how often a GPU fails, how fast a checkpoint is written."""
     from course_lib.planner.presets import PRESETS
 
-    gp = subparsers.add_parser("goodput", help="checkpoint interval and goodput for a model on a cluster (Young, Daly)")
+    gp = command_parser(
+        subparsers,
+        "goodput",
+        "checkpoint interval and goodput for a model on a cluster (Young, Daly)",
+        [
+            ("--gpus 16384", "Llama 3 405B on 16,384 GPUs at Llama 3's failure rate"),
+            ("--preset llama3-70b --gpus 2048 --write-gbps 5 --restart-min 5", "faster writes, faster restarts"),
+            ("--gpus 16384 --stall-s 2 --deduplicate", "asynchronous checkpoints, each replica written once"),
+        ],
+        usage="--gpus N [options]",
+    )
     gp.add_argument("--preset", choices=sorted(PRESETS), default="llama3-405b", help="a published model")
-    gp.add_argument("--gpus", type=positive_int, required=True)
+    gp.add_argument("--gpus", type=gpu_count, required=True, help="how many GPUs train it: 16384, 16K")
     gp.add_argument(
         "--mtbf-gpu-hours", type=positive_float, help="MTBF of one GPU (default: Llama 3's, 16,384 x 1296 h / 419)"
     )

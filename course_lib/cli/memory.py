@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.cli.common import add_json_flag, natural, positive_float, positive_int, say, write_json
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.cli.common import (
+    add_json_flag,
+    command_parser,
+    natural,
+    param_count,
+    positive_int,
+    say,
+    token_count,
+    write_json,
+)
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import RECOMPUTE_MODES
 from course_lib.model.formulas import memory_formula, transformer_params
 
@@ -161,17 +170,33 @@ ATTENTION_NOTES = {
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``memory``'s flags: the model, its experts, the precision and the layout."""
-    mem = subparsers.add_parser("memory", help="predicted bytes per device (model states, activations)")
+    mem = command_parser(
+        subparsers,
+        "memory",
+        "predicted bytes per device (model states, activations)",
+        [
+            ("--params 7B --precision fp32", "112 GB: 16 bytes per parameter"),
+            ("--preset llama3-8b --pp 4 --precision megatron", "a published model, as Megatron-LM counts it"),
+            ("--params 70B --precision mixed --zero 3 --dp 64", "ZeRO-3 over 64 GPUs"),
+            (
+                "--layers 32 --hidden 4096 --heads 32 --vocab 32K --seq 4K --precision mixed --tp 8 --sp",
+                "with activations",
+            ),
+        ],
+    )
     mem.add_argument("--preset", help="a model of plan's presets (llama3-8b, gpt3-175b, ...) in place of the dims")
-    mem.add_argument("--params", type=positive_float, help="parameter count, e.g. 7e9")
-    for dim in ("layers", "hidden", "heads", "vocab", "seq"):
-        mem.add_argument(f"--{dim}", type=positive_int)
+    mem.add_argument("--params", type=param_count, help="parameter count: 7e9, 7B, 1.5T, 70M")
+    mem.add_argument("--layers", type=positive_int, help="transformer layers (with --hidden and --vocab: the count)")
+    mem.add_argument("--hidden", type=positive_int, help="model width")
+    mem.add_argument("--heads", type=positive_int, help="attention heads (for the activations)")
+    mem.add_argument("--vocab", type=token_count, help="vocabulary size, e.g. 32000 or 128K")
+    mem.add_argument("--seq", type=token_count, help="tokens per sequence, e.g. 4096 or 8K (for the activations)")
     mem.add_argument("--ffn", type=positive_int, help="the MLP's width (default 4 x hidden)")
     mem.add_argument("--kv-heads", type=positive_int, help="K/V heads of grouped-query attention (default: --heads)")
     mem.add_argument("--swiglu", action="store_true", help="a gated SwiGLU MLP (default GELU)")
     mem.add_argument("--untied", action="store_true", help="the output head has its own matrix")
-    mem.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
-    mem.add_argument("--micro-batch", type=positive_int, default=1)
+    mem.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm", help="default layernorm")
+    mem.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per microbatch (default 1)")
     mem.add_argument(
         "--precision",
         choices=["fp32", "mixed", "zero", "megatron", "deepspeed", "no-master"],
@@ -179,9 +204,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="bytes per parameter: mixed = zero (16: ZeRO's count), megatron (18; with --zero 1 its distributed "
         "optimizer, 6 + 12/d), deepspeed (its ZeRO estimators), no-master (12), fp32 (16)",
     )
-    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    for axis in ("dp", "tp", "pp"):
-        mem.add_argument(f"--{axis}", type=positive_int, default=1)
+    mem.add_argument(
+        "--zero",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=0,
+        help="ZeRO stage: shard optimizer state (1), gradients (2), parameters (3) over --dp (default 0)",
+    )
+    for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
+        mem.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{what} parallel degree (default 1)")
     mem.add_argument("--chunks", type=positive_int, default=1, help="interleaved pipeline: model chunks per stage")
     mem.add_argument("--cp", type=positive_int, default=1, help="context parallel: the sequence split over cp ranks")
     mem.add_argument("--ep", type=positive_int, default=1, help="expert parallel (with --experts), within tp*cp*dp")
@@ -191,7 +222,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mem.add_argument("--shared-experts", type=natural, help="experts every token visits (default 0)")
     mem.add_argument("--dense-layers", type=natural, help="first layers without experts (default 0)")
     mem.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
-    mem.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    mem.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recompute (default none)")
     mem.add_argument(
         "--attention", choices=["flash", "materialized"], default="flash", help="is the s x s score matrix stored?"
     )

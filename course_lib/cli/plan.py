@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.cli.common import add_json_flag, positive_float, positive_int, say, write_json
+from course_lib.cli.common import (
+    add_json_flag,
+    command_parser,
+    gpu_count,
+    param_count,
+    positive_float,
+    positive_int,
+    say,
+    token_count,
+    write_json,
+)
 from course_lib.model.config import RECOMPUTE_MODES
 
 LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
@@ -164,32 +174,53 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``plan``'s flags: the model, the cluster, the batch, and a given layout's degrees and settings."""
     from course_lib.cluster.profiles import PROFILES
-    from course_lib.planner.layouts import PIPELINE_SCHEDULES
+    from course_lib.cluster.topology import PROFILES as TOPOLOGIES
+    from course_lib.parallel.schedules import PIPELINE_SCHEDULES
     from course_lib.planner.presets import PRESETS
 
-    pl = subparsers.add_parser("plan", help="choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why")
-    pl.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
-    pl.add_argument("--params", type=positive_float, help="parameter count, e.g. 30e9 (alone: a GPT-3-like shape)")
-    for dim in ("layers", "hidden", "heads", "vocab", "seq"):
-        pl.add_argument(f"--{dim}", type=positive_int)
-    pl.add_argument("--gpus", type=positive_int, required=True)
-    pl.add_argument("--gpus-per-node", type=positive_int, help="default: the hardware profile's")
-    pl.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU (default: the hardware profile's)")
-    pl.add_argument(
+    pl = command_parser(
+        subparsers,
+        "plan",
+        "choose TP x PP x DP (and ZeRO) for a model on a cluster, and say why",
+        [
+            ("--preset llama3-405b --gpus 16384", "Llama 3 405B on 16,384 GPUs: TP 8 x PP 16 x DP 128"),
+            ("--params 70B --gpus 512 --hardware a100", "a GPT-3-like 70B model on A100s"),
+            ("--preset llama3-405b --gpus 16384 --tp 8 --pp 16 --dp 128 --schedule zb-h1", "one given layout"),
+            ("--params 7B --gpus 256 --topology tpu-v5p", "the traffic timed on a torus"),
+        ],
+        usage="--gpus N [options]",
+    )
+    model = pl.add_argument_group("the model (a preset, a parameter count, or the dims)")
+    model.add_argument("--preset", choices=sorted(PRESETS), help="a published model")
+    model.add_argument("--params", type=param_count, help="parameter count: 30e9, 30B (alone: a GPT-3-like shape)")
+    model.add_argument("--layers", type=positive_int, help="transformer layers")
+    model.add_argument("--hidden", type=positive_int, help="model width")
+    model.add_argument("--heads", type=positive_int, help="attention heads")
+    model.add_argument("--vocab", type=token_count, help="vocabulary size, e.g. 128K")
+    model.add_argument(
+        "--seq", type=token_count, help="tokens per sequence, e.g. 8K (default: the preset's, else 2048)"
+    )
+    cluster = pl.add_argument_group("the cluster and the batch")
+    cluster.add_argument("--gpus", type=gpu_count, required=True, help="how many GPUs: 1024, 16K")
+    cluster.add_argument("--gpus-per-node", type=gpu_count, help="default: the hardware profile's")
+    cluster.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU (default: the hardware profile's)")
+    cluster.add_argument(
         "--hardware", default="h100", help=f"{', '.join(sorted(PROFILES))}, or a measured profile (default h100)"
     )
-    pl.add_argument(
+    cluster.add_argument(
         "--topology",
         metavar="NAME[:SIZE]",
-        help="time the traffic on this topology's links (h100-superpod, gb200-nvl72, tpu-v5p, ethernet-2to1, "
-        "h100-two-level), sized to --gpus unless SIZE is given; compute and memory stay --hardware's",
+        help=f"time the traffic on this topology's links ({', '.join(TOPOLOGIES)}), sized to --gpus unless SIZE is "
+        "given; compute and memory stay --hardware's",
     )
-    pl.add_argument("--global-batch", type=positive_int, help="sequences per step (default: the preset's, else 1024)")
-    pl.add_argument("--micro-batch", type=positive_int, default=1)
-    pl.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
+    cluster.add_argument(
+        "--global-batch", type=token_count, help="sequences per step (default: the preset's, else 1024)"
+    )
+    cluster.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per microbatch (default 1)")
+    cluster.add_argument("--no-model-parallel", action="store_true", help="only DP and ZeRO/FSDP: tp = pp = 1")
     given = pl.add_argument_group("a given layout (evaluated instead of searched: give --tp, --pp and --dp)")
-    for axis in ("tp", "pp", "dp", "cp", "ep"):
-        given.add_argument(f"--{axis}", type=positive_int)
+    for axis, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+        given.add_argument(f"--{axis}", type=positive_int, help=f"{what} parallel degree")
     given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
     given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
     given.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved")

@@ -8,10 +8,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
 from course_lib.cli.common import (
     add_json_flag,
+    command_parser,
     natural,
     nonnegative_float,
     positive_float,
@@ -20,10 +19,10 @@ from course_lib.cli.common import (
     say,
     write_json,
 )
-from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config, training_groups
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import HALF_TYPES, MIXED_PRECISIONS, GPTConfig, TrainConfig
-from course_lib.model.gpt import within_capacity
+from course_lib.parallel import catalog
 from course_lib.runtime.faults import KINDS, PHASES, Fault
 
 if TYPE_CHECKING:
@@ -32,6 +31,10 @@ if TYPE_CHECKING:
 
 def _routing_lines(counts: list, cfg: GPTConfig) -> list[str]:
     """An MoE run's last step, per layer: assignments per expert, and what capacity kept of them."""
+    import torch
+
+    from course_lib.model.gpt import within_capacity
+
     lines = [f"  assignments per expert, last step (top-{cfg.top_k} of {cfg.experts}; routed -> kept by capacity):"]
     for layer, per_source in enumerate(counts[-1]):
         routed = torch.tensor(per_source)
@@ -136,10 +139,11 @@ def _grid_reason(spec, settings: dict, options: dict) -> str:
     )
 
 
-def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
+def _scheme_flags(groups: dict[str, argparse._ArgumentGroup], schemes: dict[str, catalog.Card]) -> None:
     """One flag per option of any scheme (its help names the schemes that take it), and ``--<axis>`` for each
-    one-axis scheme's axis (``run tp --tp 4``: the number of ranks). A flag keeps its own name as its destination,
-    and one not given stays out of the namespace (see :func:`_scheme_settings`)."""
+    one-axis scheme's axis (``run tp --tp 4``: the number of ranks); those of :data:`catalog.SCHEDULE_OPTIONS` in the
+    schedule group, the others with what to run. A flag keeps its own name as its destination, and one not given
+    stays out of the namespace (see :func:`_scheme_settings`)."""
     options: dict[str, object] = {}  # flag -> its Option (None: only an axis flag, a positive int)
     helps: dict[str, dict[str, list[str]]] = {}  # flag -> help text -> schemes
     for spec in schemes.values():
@@ -154,7 +158,9 @@ def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
             helps.setdefault(flag, {}).setdefault(text, []).append(spec.name)
     for flag, option in options.items():
         text = "; ".join(f"{', '.join(names)}: {text}" for text, names in helps[flag].items())
-        metavar = flag.removeprefix("--").replace("-", "_").upper()
+        parser = groups["schedule" if option in catalog.SCHEDULE_OPTIONS else "what to run"]
+        kind = option.kind if option else int
+        metavar = {int: "N", float: "X"}.get(kind, flag.removeprefix("--").replace("-", "_").upper())
         if option is not None and option.kind is None:
             parser.add_argument(
                 flag, dest=flag, action="store_const", const=option.value, default=argparse.SUPPRESS, help=text
@@ -164,7 +170,6 @@ def _scheme_flags(parser: argparse.ArgumentParser, schemes: dict) -> None:
                 flag, dest=flag, type=option.kind, choices=option.choices, default=argparse.SUPPRESS, help=text
             )
         else:
-            kind = option.kind if option else int
             parse = {int: positive_int, float: positive_float}.get(kind) or _refusing(kind)
             parser.add_argument(flag, dest=flag, type=parse, metavar=metavar, default=argparse.SUPPRESS, help=text)
 
@@ -205,8 +210,6 @@ def _fault(args) -> Fault | None:
 def _resume(args) -> str | None:
     """The checkpoint to resume from: ``--resume D``, or with ``--auto-resume`` the newest in ``--checkpoint-dir``
     (None when it holds none yet: the job's first start)."""
-    from course_lib.runtime import checkpoint
-
     if not args.auto_resume:
         return args.resume
     if args.resume is not None or args.checkpoint_dir is None:
@@ -214,6 +217,8 @@ def _resume(args) -> str | None:
             f"run {args.scheme}: --auto-resume resumes from the newest checkpoint in --checkpoint-dir D; give D, "
             f"and no --resume"
         )
+    from course_lib.runtime import checkpoint
+
     newest = checkpoint.latest(args.checkpoint_dir)
     return None if newest is None else str(newest)
 
@@ -231,12 +236,16 @@ def _loss_scale(text: str) -> str | float | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    options, axis_size = _scheme_settings(args, catalog.card(args.scheme))  # refused here without torch, as are
+    fault, resume = _fault(args), _resume(args)  # the fault's and the resume's flags (--auto-resume looks for one)
+    if catalog.card(args.scheme).axes or fault is not None:  # ranks will start (single trains in this process)
+        from course_lib.runtime import forkserver
+
+        forkserver.warm()  # the rank server imports torch beside this process
     from course_lib.cli import echo
     from course_lib.harness import ALIASES, SCHEMES
 
     spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
-    fault, resume = _fault(args), _resume(args)
-    options, axis_size = _scheme_settings(args, spec)
     settings = spec.settings(options)
     world_size = _checked_world_size(args, spec, settings, options, axis_size)
     run, cfg, train = _train(args, spec, settings, world_size, options, fault, resume)
@@ -388,60 +397,69 @@ def _say_modeled(args, m: dict) -> None:
         say(args, f"    {group} groups: {where['what']}" + links * (where["hops"] > 0))
 
 
+EXAMPLES = [
+    ("dp --world-size 2", "data parallel on 2 CPU ranks, beside one device"),
+    ("pp --world-size 4 --schedule interleaved --microbatches 8 --chunks 2", "a pipeline schedule"),
+    ("zero2 --world-size 2 --precision mixed --half fp16", "16-bit weights with a loss scaler"),
+    ("sp --tp 2 --hardware h100 --topology h100-superpod:2", "the last step replayed on a modeled cluster"),
+]
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """``run SCHEME``'s flags: the registry's scheme flags, the modeled cluster's, the training flags, and the groups
-    of mixed precision, mixture of experts, failure injection and checkpoints."""
-    from course_lib.harness import ALIASES, SCHEMES
-
-    run = subparsers.add_parser("run", help="train the tiny GPT with a scheme and compare with one device")
-    run.add_argument("scheme", choices=sorted(SCHEMES) + sorted(ALIASES))
-    run.add_argument("--world-size", type=positive_int, help="number of ranks (default 4; 1 for single)")
-    _scheme_flags(run, SCHEMES)
-    _add_cluster_flags(run)
-    add_training_flags(run)
-    _add_mixed_precision_flags(run, SCHEMES)
-    _add_expert_flags(run)
-    _add_fault_flags(run)
-    _add_checkpoint_flags(run)
+    """``run SCHEME``'s flags, in groups: what to run (the scheme, its settings from the catalog, the launch), the
+    model and data, the schedule, precision, the modeled cluster, faults, checkpoints and output."""
+    summary = "train the tiny GPT with a scheme and compare with one device"
+    run = command_parser(subparsers, "run", summary, EXAMPLES, usage="SCHEME [options]")
+    groups = training_groups(run)
+    what = groups["what to run"]
+    what.add_argument("scheme", choices=[*catalog.CARDS, *catalog.ALIASES], help="the scheme (fsdp is zero3)")
+    what.add_argument("--world-size", type=positive_int, metavar="N", help="number of ranks (default 4; 1 for single)")
+    _scheme_flags(groups, catalog.CARDS)
+    add_training_flags(groups, modeled=True)
+    _add_mixed_precision_flags(groups["precision"])
+    _add_expert_flags(groups["model and data"])
+    _add_cluster_flags(run.add_argument_group("modeled cluster (the last step replayed on it)"))
+    _add_fault_flags(run.add_argument_group("faults (the run ends in the launcher's report of the failure)"))
+    _add_checkpoint_flags(run.add_argument_group("checkpoints (every scheme; any of them resumes any other's)"))
     run.set_defaults(func=cmd_run)
-    add_json_flag(run)
+    add_json_flag(run, groups["output"])
 
 
-def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
+def _add_cluster_flags(cluster: argparse._ArgumentGroup) -> None:
     """The modeled cluster the last step is replayed on: its hardware, topology, algorithm and placement."""
-    run.add_argument("--hardware", help="also replay the last step on a modeled cluster (see: course-lib hardware)")
-    run.add_argument(
-        "--gpus-per-node", type=positive_int, help="with --hardware: GPUs per node (default: the profile's)"
+    cluster.add_argument("--hardware", metavar="NAME", help="a hardware profile, e.g. h100 (see the hardware command)")
+    cluster.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        metavar="N",
+        help="with --hardware: GPUs per node (default: the profile's)",
     )
-    run.add_argument(
+    cluster.add_argument(
         "--topology",
         metavar="NAME[:SIZE]",
-        help="with --hardware: time the collectives on this topology's links (h100-superpod, gb200-nvl72, tpu-v5p, "
-        "ethernet-2to1, h100-two-level; SIZE: nodes, racks or a torus shape such as 4x4x4)",
+        help="with --hardware: time the collectives on these links (see the hardware command)",
     )
-    run.add_argument(
+    cluster.add_argument(
         "--algorithm",
         choices=["ring", "tree", "hierarchical", "torus"],
-        help="with --topology: force this collective algorithm where it can run (default: the fastest, as NCCL picks)",
+        help="with --topology: force this collective algorithm (default: the fastest, as NCCL picks)",
     )
-    run.add_argument(
+    cluster.add_argument(
         "--placement",
         metavar="AXES[/AXES...]",
-        help="with --topology: the mesh's axes on the topology's levels, innermost first, a '/' before each next "
-        "level (NVLink domain / across domains; torus axes), e.g. tp/pp,dp (default: rank r on GPU r)",
+        help="with --topology: the mesh's axes on its levels, innermost first, '/' between levels: tp/pp,dp "
+        "(default: rank r on GPU r)",
     )
 
 
-def _add_mixed_precision_flags(run: argparse.ArgumentParser, schemes: dict) -> None:
+def _add_mixed_precision_flags(mixed: argparse._ArgumentGroup) -> None:
     """Mixed precision: the convention of bytes per parameter, the 16-bit type, the loss scale."""
-    mixed_schemes = ", ".join(name for name, spec in schemes.items() if spec.precisions)
-    mixed = run.add_argument_group(f"mixed precision ({mixed_schemes})")
     mixed.add_argument(
         "--precision",
         choices=MIXED_PRECISIONS,
         default=argparse.SUPPRESS,
-        help="16-bit weights, fp32 optimizer state: mixed 16 bytes per parameter (fp32 master weights and moments), "
-        "megatron 18 (also fp32 main gradients), no-master 12 (no master copy); default: --dtype throughout",
+        help="16-bit weights, fp32 optimizer state: mixed (16 bytes a parameter), megatron (18: fp32 gradients), "
+        "no-master (12)",
     )
     mixed.add_argument(
         "--half", choices=list(HALF_TYPES), default=argparse.SUPPRESS, help="the 16-bit type (default bf16)"
@@ -451,7 +469,7 @@ def _add_mixed_precision_flags(run: argparse.ArgumentParser, schemes: dict) -> N
         type=_loss_scale,
         default=argparse.SUPPRESS,
         metavar="S",
-        help="dynamic, none, or a fixed scale (default: dynamic with fp16, none with bf16)",
+        help="dynamic, none, or a fixed scale (default: dynamic with fp16)",
     )
     mixed.add_argument(
         "--initial-scale",
@@ -462,38 +480,38 @@ def _add_mixed_precision_flags(run: argparse.ArgumentParser, schemes: dict) -> N
     )
 
 
-def _add_expert_flags(run: argparse.ArgumentParser) -> None:
-    """A mixture of experts in place of the tiny GPT's MLPs."""
-    moe = run.add_argument_group("mixture of experts (ep: default 8 experts, top-2)")
-    moe.add_argument("--experts", type=natural, help="experts per layer in place of each MLP (0: dense)")
-    moe.add_argument("--top-k", type=positive_int, help="experts each token goes to")
-    moe.add_argument("--capacity-factor", type=positive_float, help="cap each expert's load (default: dropless)")
-    moe.add_argument("--aux-loss-coef", type=nonnegative_float, help="load-balancing loss weight (default 0.01)")
+def _add_expert_flags(moe: argparse._ArgumentGroup) -> None:
+    """A mixture of experts in place of the tiny GPT's MLPs (``ep``: 8 experts, top-2, unless given)."""
+    moe.add_argument(
+        "--experts", type=natural, metavar="E", help="experts per layer in place of each MLP (0: dense; ep: 8)"
+    )
+    moe.add_argument("--top-k", type=positive_int, metavar="K", help="experts each token goes to (ep: 2)")
+    moe.add_argument(
+        "--capacity-factor", type=positive_float, metavar="X", help="cap each expert's load (default: dropless)"
+    )
+    moe.add_argument(
+        "--aux-loss-coef", type=nonnegative_float, metavar="X", help="load-balancing loss weight (default 0.01)"
+    )
 
 
-def _add_fault_flags(run: argparse.ArgumentParser) -> None:
+def _add_fault_flags(broken: argparse._ArgumentGroup) -> None:
     """A rank that fails at a given step, and how."""
-    broken = run.add_argument_group("failure injection (the run then ends in the launcher's report of the failure)")
     broken.add_argument("--kill-rank", type=natural, metavar="R", help="the rank that fails (with --at-step)")
     broken.add_argument("--at-step", type=natural, metavar="K", help="the step it fails in, from 0")
     broken.add_argument("--fault", choices=KINDS, help="how it fails (default kill: SIGKILL)")
     broken.add_argument("--fault-phase", choices=PHASES, help="where in the step (default forward: its start)")
 
 
-def _add_checkpoint_flags(run: argparse.ArgumentParser) -> None:
+def _add_checkpoint_flags(saving: argparse._ArgumentGroup) -> None:
     """Checkpoints: where, how often, in the background or not, and resuming from one."""
-    saving = run.add_argument_group("checkpoints (every scheme; any of them resumes any other's)")
     saving.add_argument("--checkpoint-dir", metavar="D", help="save the training state as D/step-<n>")
     saving.add_argument("--checkpoint-every", type=positive_int, metavar="K", help="after every K-th step")
     saving.add_argument(
-        "--resume", metavar="D", help="load a checkpoint (D/step-<n>, or the newest in D) and train the steps left"
+        "--resume", metavar="D", help="train the steps left from a checkpoint (D/step-<n>, or the newest in D)"
     )
-    saving.add_argument(
-        "--checkpoint-async", action="store_true", help="write each checkpoint in the background as training goes on"
-    )
+    saving.add_argument("--checkpoint-async", action="store_true", help="write the checkpoints in the background")
     saving.add_argument(
         "--auto-resume",
         action="store_true",
-        help="resume from the newest checkpoint in --checkpoint-dir if there is one, else start at step 0 "
-        "(a job that restarts itself: torchrun --max-restarts)",
+        help="resume from the newest checkpoint in --checkpoint-dir, if any (torchrun --max-restarts)",
     )

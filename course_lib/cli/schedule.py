@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.cli.common import add_json_flag, nonnegative_float, positive_float, positive_int, saved, say, write_json
+from course_lib.cli.common import (
+    add_json_flag,
+    command_parser,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    saved,
+    say,
+    write_json,
+)
 from course_lib.parallel.schedules import SCHEDULES
 
 
@@ -62,11 +71,22 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``schedule``'s flags: the schedule, its shape and the costs of its passes."""
-    sch = subparsers.add_parser("schedule", help="generate, check and simulate a pipeline schedule (no ranks)")
-    sch.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    sch.add_argument("--stages", type=positive_int, default=4)
-    sch.add_argument("--microbatches", type=positive_int, default=8)
-    sch.add_argument("--chunks", type=positive_int, default=1)
+    sch = command_parser(
+        subparsers,
+        "schedule",
+        "generate, check and simulate a pipeline schedule (no ranks)",
+        [
+            ("--stages 4 --microbatches 8", "1F1B: bubble (p-1)/(m+p-1) = 3/11"),
+            ("--schedule interleaved --stages 4 --microbatches 8 --chunks 2", "two model chunks per rank"),
+            ("--schedule zb-h1 --w 1 --plot out/zb.png", "zero bubble: B and W apart, drawn"),
+        ],
+    )
+    sch.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the schedule (default 1f1b)")
+    sch.add_argument("--stages", type=positive_int, default=4, help="pipeline stages p, one per rank (default 4)")
+    sch.add_argument("--microbatches", type=positive_int, default=8, help="microbatches m per step (default 8)")
+    sch.add_argument(
+        "--chunks", type=positive_int, default=1, help="model chunks per rank, for interleaved (default 1)"
+    )
     sch.add_argument("--f", type=positive_float, default=1.0, help="cost of a forward")
     sch.add_argument("--b", type=positive_float, default=1.0, help="cost of a backward (input gradient)")
     sch.add_argument("--w", type=nonnegative_float, default=0.0, help="cost of a weight-gradient pass")

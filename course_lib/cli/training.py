@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.cli.common import natural, positive_float, positive_int
+from course_lib.cli.common import natural, positive_float, positive_int, token_count
 from course_lib.model.config import RECOMPUTE_MODES, GPTConfig, TrainConfig
 
 MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
@@ -59,43 +59,77 @@ def launch_limits(args: argparse.Namespace) -> dict:
     return {"timeout": args.timeout, "stall_timeout": args.stall_timeout, "max_ranks": args.max_ranks}
 
 
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the model, the training and the launch that ``run`` and ``demo`` share."""
-    p.add_argument("--layers", type=positive_int, help="transformer layers (default 2, or one per pipeline stage)")
-    modeled = MODELED_DEFAULTS
-    p.add_argument("--hidden", type=positive_int, help=f"model width (default 64; {modeled['hidden']} with --hardware)")
-    p.add_argument("--heads", type=positive_int, help="attention heads, must divide --hidden (default 4)")
-    p.add_argument(
-        "--seq", type=positive_int, help=f"tokens per sequence (default 32; {modeled['seq']} with --hardware)"
+GROUPS = ("what to run", "model and data", "schedule", "precision", "output")  # run --help and demo --help, in order
+
+
+def training_groups(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The groups of flags ``run`` and ``demo`` show their help in (:data:`GROUPS`), by name; a command adds its own
+    flags to them (``run``'s scheme first) before :func:`add_training_flags` adds the shared ones."""
+    return {name: p.add_argument_group(name) for name in GROUPS}
+
+
+def add_training_flags(groups: dict[str, argparse._ArgumentGroup], modeled: bool) -> None:
+    """The flags of the launch, the model, the training and its output that ``run`` and ``demo`` share;
+    ``modeled``: the command takes ``--hardware``, which changes the model's default sizes."""
+    launch = groups["what to run"]
+    launch.add_argument(
+        "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="default auto: nccl with CUDA, else gloo"
     )
-    p.add_argument(
-        "--recompute",
-        choices=RECOMPUTE_MODES,
-        default="none",
-        help="activation recompute in backward: selective (the attention scores) or full (every layer)",
-    )
-    p.add_argument("--steps", type=positive_int, default=3)
-    p.add_argument(
-        "--batch",
-        type=positive_int,
-        help=f"global batch in sequences (default 8; {modeled['batch']} with --hardware)",
-    )
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    p.add_argument(
+    launch.add_argument(
         "--device",
         choices=["cpu", "cuda"],
-        help="where the ranks compute (default: cuda under nccl, else cpu); gloo ranks on cuda share the GPUs",
+        help="where the ranks compute (default: cuda under nccl, else cpu)",
     )
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--seed", type=natural, default=0)
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds the whole run may take (default 300)")
-    p.add_argument(
+    launch.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        metavar="S",
+        help="seconds the whole run may take (default 300)",
+    )
+    launch.add_argument(
         "--stall-timeout",
         type=positive_float,
         default=20.0,
-        help="seconds a rank may wait in a collective that another rank has not reached (default 20)",
+        metavar="S",
+        help="seconds a rank may wait for a peer in a collective (default 20)",
     )
-    p.add_argument(
-        "--max-ranks", type=positive_int, help="allow more local ranks than this machine's limit (you know better)"
+    launch.add_argument(
+        "--max-ranks", type=positive_int, metavar="N", help="allow more local ranks than this machine's limit"
     )
-    p.add_argument("--plot", metavar="DIR", help="write timeline, memory and comm figures and a Chrome trace")
+    _add_model_flags(groups["model and data"], MODELED_DEFAULTS if modeled else {})
+    groups["schedule"].add_argument(
+        "--steps", type=positive_int, default=3, metavar="N", help="training steps (default 3)"
+    )
+    groups["precision"].add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="every tensor's type (default float32)"
+    )
+    groups["output"].add_argument("--plot", metavar="DIR", help="write the figures and a Chrome trace into DIR")
+
+
+def _add_model_flags(model: argparse._ArgumentGroup, modeled: dict) -> None:
+    """The tiny GPT's sizes, its recompute and its data's seed; ``modeled``: the defaults with ``--hardware``."""
+
+    def default(flag: str, value: int) -> str:
+        return f"default {value}" + (f"; {modeled[flag]} with --hardware" if flag in modeled else "")
+
+    model.add_argument(
+        "--layers", type=positive_int, metavar="N", help="transformer layers (default 2, or one per stage)"
+    )
+    model.add_argument("--hidden", type=positive_int, metavar="N", help=f"model width ({default('hidden', 64)})")
+    model.add_argument(
+        "--heads", type=positive_int, metavar="N", help="attention heads, must divide --hidden (default 4)"
+    )
+    model.add_argument("--seq", type=token_count, metavar="N", help=f"tokens per sequence ({default('seq', 32)})")
+    model.add_argument(
+        "--batch", type=positive_int, metavar="N", help=f"global batch in sequences ({default('batch', 8)})"
+    )
+    model.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default="none",
+        help="recompute in backward: selective (attention scores), full (layers)",
+    )
+    model.add_argument(
+        "--seed", type=natural, default=0, metavar="N", help="random seed of the weights and data (default 0)"
+    )

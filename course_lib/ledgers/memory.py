@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("params", "grads", "optimizer")  # the model states, measured here and predicted by the formulas
+from course_lib.ledgers.categories import CATEGORIES
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

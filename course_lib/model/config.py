@@ -3,16 +3,18 @@
 formulas name, with its validator: attention kernels, recompute modes, norms, the bytes-per-parameter conventions
 (:data:`PRECISIONS`; ZeRO's 16 = 2 + 2 + 12, Rajbhandari et al. 2020, §3.1), the 16-bit types and loss scaling.
 
-It imports nothing of course_lib, so every other module of the model, and everything above it, can import it.
+It imports nothing of course_lib, so every other module of the model, and everything above it, can import it; and no
+torch (:attr:`TrainConfig.torch_dtype` imports it when asked), so the command line can take its vocabularies without.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # FlashAttention (Dao et al. 2022) never stores the (heads, s, s) scores; "materialized" writes them to memory, as
 # Korthikanti et al. 2022 count them (Table 2).
@@ -127,7 +129,7 @@ def precision_of(precision: str | Precision) -> Precision:
 
 
 # ------------------------------------------------------------------------------------------------ training precision
-HALF_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # TrainConfig.half
+HALF_TYPES = {"bf16": "bfloat16", "fp16": "float16"}  # TrainConfig.half -> the name of its torch dtype
 MIXED_PRECISIONS = ("mixed", "megatron", "no-master")  # the PRECISIONS a run can train in (TrainConfig.precision)
 DEFAULT_LOSS_SCALE = 2.0**16  # where a dynamic loss scale starts (DeepSpeed's initial_scale_power 16, GradScaler's)
 
@@ -260,6 +262,8 @@ class TrainConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here, so that the configs (and the command line's vocabularies) import no torch
+
         return getattr(torch, self.dtype)
 
 

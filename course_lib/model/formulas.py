@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import (
     NORMS,
     GPTConfig,

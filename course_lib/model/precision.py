@@ -122,7 +122,7 @@ def prepare(module: nn.Module, train: TrainConfig) -> nn.Module:
     ``.grad`` added in and dropped as soon as backward completes it, Megatron-LM's DDP hook). Unchanged in fp32."""
     if train.precision is None:
         return module
-    module.to(HALF_TYPES[train.half])
+    module.to(getattr(torch, HALF_TYPES[train.half]))
     if train.precision == "megatron":
         for p in module.parameters():
             if p.requires_grad:
@@ -251,7 +251,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, defaults)
         dtypes = {p.dtype for group_ in self.param_groups for p in group_["params"]}
-        if len(dtypes) != 1 or not dtypes <= set(HALF_TYPES.values()):
+        if len(dtypes) != 1 or not dtypes <= {getattr(torch, name) for name in HALF_TYPES.values()}:
             raise ValueError(
                 f"MixedPrecisionOptimizer takes parameters of one 16-bit type ({', '.join(HALF_TYPES)}), got "
                 f"{sorted(map(str, dtypes))}: cast the model first (precision.prepare)"

@@ -36,6 +36,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+# What the planner costs (all but GPipe): its search ranks the first three
+# (:func:`course_lib.planner.layouts.pipeline_schedules`); the others it evaluates for a given layout and beside its
+# choice (:func:`course_lib.planner.reasons.beyond_search`). Here, beside the rest, for ``plan``'s torch-free parser.
+PIPELINE_SCHEDULES = SCHEDULES[1:]
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v", "dualpipev")  # the schedules whose tables have W actions
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V
 COMPUTE = ("F", "B", "W")

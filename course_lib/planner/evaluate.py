@@ -12,7 +12,7 @@ from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.topology import Topology, for_gpus
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
-from course_lib.parallel.schedules import bubble_formula, bubble_ratio, peak_activations
+from course_lib.parallel.schedules import PIPELINE_SCHEDULES, bubble_formula, bubble_ratio, peak_activations
 from course_lib.planner.cost import (
     PEAK,
     flops_per_token,
@@ -22,7 +22,6 @@ from course_lib.planner.cost import (
 )
 from course_lib.planner.layouts import (
     LAYOUT_AXES,
-    PIPELINE_SCHEDULES,
     SHORT_STAGES,
     Candidate,
     divisors,

@@ -51,7 +51,7 @@ class Candidate:
     placement: dict = field(default_factory=dict)
     cp: int = 1
     ep: int = 1
-    schedule: str = "1f1b"  # the pipeline schedule (:data:`PIPELINE_SCHEDULES`)
+    schedule: str = "1f1b"  # the pipeline schedule (:data:`course_lib.parallel.schedules.PIPELINE_SCHEDULES`)
     chunks: int = 1  # model chunks per pipeline rank (v), more than 1 only interleaved (zb-v, dualpipev fix 2)
     attention: str = "flash"  # the attention kernel (:data:`course_lib.model.config.ATTENTION_KERNELS`)
     sp: bool = True  # sequence parallelism with TP (Korthikanti et al. 2022, §4.2.2)
@@ -214,12 +214,6 @@ def layouts(
                     for zero in zeros
                 ]
     return out
-
-
-# What the planner costs (the schedules module has GPipe too): the search ranks the first three
-# (:func:`pipeline_schedules`); the others it evaluates for a given layout and beside its choice
-# (:func:`~course_lib.planner.reasons.beyond_search`).
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 
 
 def pipeline_schedules(layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:

@@ -9,7 +9,7 @@ import math
 
 from course_lib.cluster.profiles import HardwareProfile
 from course_lib.cluster.topology import Torus
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import BYTES_PER_PARAM, Layout
 from course_lib.model.formulas import interleaved_activation_factor, model_state_formula
 from course_lib.parallel.schedules import bubble_ratio

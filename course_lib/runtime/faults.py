@@ -28,10 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from course_lib.runtime import launch
-
 KINDS = ("raise", "exit", "kill", "hang")
 PHASES = ("forward", "grad_sync", "optimizer", "checkpoint")
 EXIT_CODE = 3  # what an ``exit`` fault's rank exits with
@@ -76,6 +72,8 @@ _ACTIVE: Fault | None = None  # the plan of this rank's process, set by injected
 
 def injected(fn: Callable, fault: Fault) -> Callable:
     """``fn`` (a rank function) with ``fault`` active in every rank that runs it; pass it to ``launch.run``."""
+    from course_lib.runtime import launch
+
     return launch.with_setting(fn, __name__, "_ACTIVE", fault)
 
 
@@ -99,5 +97,9 @@ _FIRE: dict[str, Callable[[Fault], None]] = {
 def reach(step: int, phase: str) -> None:
     """The training loop is at ``phase`` of ``step``: fire the active fault if it is this rank's, here and now."""
     fault = _ACTIVE
-    if fault is not None and (fault.step, fault.phase) == (step, phase) and dist.get_rank() == fault.rank:
+    if fault is None or (fault.step, fault.phase) != (step, phase):
+        return
+    import torch.distributed as dist  # here, so that the command line takes KINDS and PHASES without torch
+
+    if dist.get_rank() == fault.rank:
         _FIRE[fault.kind](fault)

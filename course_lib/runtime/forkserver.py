@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 from multiprocessing import forkserver, resource_tracker, spawn
@@ -76,11 +77,14 @@ def warm() -> None:
     forkserver.ensure_running()
 
 
-def warm_for(argv: list[str]) -> None:
-    """Warm the server when a command line is about to launch ranks (``run``, ``demo``; ``run single`` runs its
-    one rank in process)."""
-    if argv[:1] in (["run"], ["demo"]) and argv[1:2] != ["single"] and "--help" not in argv and "-h" not in argv:
-        warm()
+def discard() -> None:
+    """End the server that :func:`warm` started for a command refused before its ranks ran, at once (SIGKILL: it
+    may still be importing torch, which would keep it alive for seconds after the refusal). A no-op when none runs."""
+    server = forkserver._forkserver
+    if server._forkserver_pid is None:
+        return
+    os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()  # reaps it
 
 
 def _stop_servers() -> None:

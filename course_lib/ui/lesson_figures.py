@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
-from course_lib.ledgers.memory import CATEGORIES
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.formulas import model_state_formula
 from course_lib.parallel.schedules import bubble_formula
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.ledgers.comm import CommRecord, summarize
-from course_lib.ledgers.memory import CATEGORIES
 from course_lib.ledgers.trace import Event, with_idle
 from course_lib.model.formulas import model_state_formula
 from course_lib.runtime import checkpoint

@@ -127,7 +127,7 @@ BAD = (
         (["run", "dp", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
         (["run", "dp", "--json", "/"], "is a folder"),
         (["run", "dp", "--plot", "/proc/version"], "is a file; --plot takes a folder"),
-        (["run", "dp", "--plot", "/proc/nope/figs"], "cannot create the folder"),
+        (["run", "dp", "--plot", "/proc/nope/figs"], "--plot /proc/nope/figs: cannot write there"),
         (["run", "dp", "--bogus"], "unrecognized arguments: --bogus"),
         # run: failure injection (a fault that could never fire)
         (["run", "dp", "--kill-rank", "-1", "--at-step", "0"], "--kill-rank: must be a whole number of at least 0"),
@@ -234,6 +234,12 @@ BAD = (
         (["calibrate", "--links", "tpu"], "invalid choice: 'tpu'"),
         (["calibrate", "--out", "/nonexistent/p.json"], "--out /nonexistent/p.json: the folder /nonexistent does not"),
         (["hardware", "--bogus"], "unrecognized arguments: --bogus"),
+        # output folders found unwritable before any work, --checkpoint-dir too (it was found inside the ranks)
+        (["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"], "--checkpoint-dir /proc/ckpt: "
+         "cannot write there"),  # fmt: skip
+        (["run", "dp", "--checkpoint-dir", "/proc", "--checkpoint-every", "1"], "--checkpoint-dir /proc: cannot write"),
+        (["run", "dp", "--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname: is a file"),
+        (["run", "dp", "--plot", "/proc/figures"], "--plot /proc/figures: cannot write there"),
         ([], "the following arguments are required: command"),
         (["train"], "invalid choice: 'train'"),
     ]

@@ -355,7 +355,8 @@ def test_a_rank_failure_is_the_rank_error_alone(monkeypatch, capsys):
 
 
 def test_a_result_that_cannot_be_written_still_reaches_standard_output(capsys):
-    assert main(["schedule", "--stages", "2", "--microbatches", "2", "--json", "/dev/full"]) == 0
+    """... and the command exits 1, so a script or a CI step knows the file is not there."""
+    assert main(["schedule", "--stages", "2", "--microbatches", "2", "--json", "/dev/full"]) == 1
     out, err = capsys.readouterr()
     assert err.startswith("course-lib: could not write /dev/full (No space left on device); the JSON follows")
     data, _ = json.JSONDecoder().raw_decode(out)  # the JSON first, then the usual human lines

@@ -20,7 +20,7 @@ import os
 import sys
 
 from course_lib.cli import calibrate, demo, goodput, hardware, memory, plan, run, schedule
-from course_lib.cli.common import check_outputs, is_lead, program_name
+from course_lib.cli.common import FAILED_WRITES, check_outputs, is_lead, program_name
 
 COMMANDS = (memory, run, demo, schedule, hardware, calibrate, plan, goodput)  # in the order --help lists them
 
@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     if extras:  # refused by the command's own parser, which names its own help
         args.parser.error(f"unrecognized arguments: {' '.join(extras)}")
     check_outputs(args.parser, args)
+    FAILED_WRITES.clear()
     try:
-        return args.func(args)
+        status = args.func(args)
+        return 1 if FAILED_WRITES and status == 0 else status
     except SystemExit as stop:  # a refusal: under torchrun every rank refuses, rank 0 says why
         from course_lib.runtime import forkserver
 

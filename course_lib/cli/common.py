@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,9 +53,15 @@ def is_lead() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+# What could not be written after the work was done (checked before it, it failed anyway: a full disk, a folder
+# gone): each said in one line as it happens; the command then exits 1 (``cli.main``), so a script or CI step knows.
+FAILED_WRITES: list[str] = []
+
+
 def write_json(data: dict, target: str | None) -> None:
     """Write the result; if the file cannot be written (a full disk, a folder gone), the result goes to standard
-    output instead, with one line on standard error saying why, so a finished run is never lost."""
+    output instead, with one line on standard error saying why, so a finished run is never lost, and the command
+    exits 1 (:data:`FAILED_WRITES`)."""
     if target is None or not is_lead():
         return
     text = json.dumps(data, indent=2)
@@ -64,6 +71,7 @@ def write_json(data: dict, target: str | None) -> None:
                 f.write(text + "\n")
             return
         except OSError as err:
+            FAILED_WRITES.append(target)
             print(
                 f"{program_name()}: could not write {target} ({err.strerror or err}); the JSON follows", file=sys.stderr
             )
@@ -89,6 +97,7 @@ def saved(write: Callable[[], list[str]]) -> str:
     try:
         return "wrote " + ", ".join(write())
     except OSError as err:
+        FAILED_WRITES.append(str(err.filename or "the figures"))
         return f"could not write the figures ({err.strerror or err}: {err.filename or ''}); the results above stand"
 
 
@@ -185,6 +194,8 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         _check_writable(parser, "--json", args.json)
     if getattr(args, "out", None) is not None:
         _check_writable(parser, "--out", args.out)
+    if getattr(args, "checkpoint_dir", None) is not None:
+        _check_folder(parser, "--checkpoint-dir", args.checkpoint_dir)
     plot = getattr(args, "plot", None)
     if plot:
         import matplotlib
@@ -203,7 +214,20 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     elif plot:
         if os.path.exists(plot) and not os.path.isdir(plot):
             parser.error(f"--plot {plot}: is a file; --plot takes a folder for the figures")
-        _check_writable(parser, "--plot", os.path.join(plot, "figure.png"), create=True)
+        _check_folder(parser, "--plot", plot)
+
+
+def _check_folder(parser: argparse.ArgumentParser, flag: str, folder: str) -> None:
+    """A folder the command will write into: created if missing, and a file actually made and removed in it (the
+    only test that holds for a read-only mount, ``/proc`` or a full quota); refused in one line otherwise."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        parser.error(f"{flag} {folder}: is a file; give a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".course_lib-probe-"):
+            pass
+    except OSError as err:
+        parser.error(f"{flag} {folder}: cannot write there ({err.strerror or err})")
 
 
 def _check_writable(parser: argparse.ArgumentParser, flag: str, path: str, create: bool = False) -> None:

@@ -224,7 +224,7 @@ def run_scheme(
     saving = CheckpointSettings(checkpoint_dir, checkpoint_every, resume, checkpoint_async)
     cluster = ClusterSettings(hardware, gpus_per_node, topology, algorithm, placement)
     spec = validate(scheme, world_size, cfg, train, options)
-    profile, resolved = check_cluster(cluster, world_size)
+    profile, resolved = check_cluster(cluster, world_size, spec.axes)
     rank_fn, plan = wrap(spec, world_size, cfg, train, options, faults, saving, ranks.in_process)
     result, reference = launch_ranks(rank_fn, world_size, cfg, train, ranks, profile is not None, options)
     report = report_run(spec, world_size, cfg, train, result, reference, plan, options, ranks)
@@ -244,12 +244,18 @@ def run_scheme(
     return SchemeRun(report, result, spec.predict_memory(world_size, cfg, train, settings), comm_bytes, modeled)
 
 
-def check_cluster(cluster: ClusterSettings, world_size: int) -> tuple[HardwareProfile | None, Topology | None]:
+def check_cluster(
+    cluster: ClusterSettings, world_size: int, axes: tuple[str, ...] = ()
+) -> tuple[HardwareProfile | None, Topology | None]:
     """Refuse a modeled cluster that cannot be, saying what to add or drop; returns its hardware profile and its
-    topology resolved for ``world_size`` ranks (each None when not asked for)."""
+    topology resolved for ``world_size`` ranks (each None when not asked for). ``axes``: the run's mesh axes, which
+    a placement may name (a placement of axes the run does not have would place nothing)."""
     profile = get_profile(cluster.hardware) if cluster.hardware is not None else None
     if cluster.gpus_per_node is not None and cluster.gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, not {cluster.gpus_per_node}")
+    if cluster.gpus_per_node is not None and profile is None:
+        raise ValueError("gpus_per_node shapes the modeled cluster's nodes, and only a hardware profile models one: "
+                         "add hardware (e.g. h100)")  # fmt: skip
     if (cluster.topology is not None or cluster.algorithm is not None) and profile is None:
         raise ValueError(
             "a topology gives the modeled clock its links; its compute comes from a hardware profile: "
@@ -259,7 +265,13 @@ def check_cluster(cluster: ClusterSettings, world_size: int) -> tuple[HardwarePr
         what = "an algorithm is forced" if cluster.algorithm is not None else "a placement puts the mesh's axes"
         raise ValueError(f"{what} on a topology's links; add a topology (e.g. h100-superpod)")
     if cluster.placement is not None:
-        placing.parse(cluster.placement)
+        named = [axis for level in placing.parse(cluster.placement) for axis in level]
+        missing = [axis for axis in named if axis not in axes]
+        if missing:
+            raise ValueError(
+                f"the placement {cluster.placement!r} names {', '.join(missing)}, which this run's mesh does not have "
+                f"(its axes: {', '.join(axes) or 'none, one rank'}); place only those"
+            )
     if cluster.topology is None:
         return profile, None
     if cluster.gpus_per_node is not None:

@@ -234,6 +234,13 @@ BAD = (
         (["calibrate", "--links", "tpu"], "invalid choice: 'tpu'"),
         (["calibrate", "--out", "/nonexistent/p.json"], "--out /nonexistent/p.json: the folder /nonexistent does not"),
         (["hardware", "--bogus"], "unrecognized arguments: --bogus"),
+        # the small ones of issue 37: each was a traceback, a parser's confusion, or accepted and ignored
+        (["demo", "--hidden", "63"], "heads=4 must divide d_model=63"),
+        (["memory", "--params", "-7e9"], "--params: must be a finite number greater than 0, got -7e9"),
+        (["run", "dp", "--gpus-per-node", "4"], "gpus_per_node shapes the modeled cluster's nodes"),
+        (["plan", *PLAN_405B, "--no-model-parallel"], "--no-model-parallel asks the planner to search data-parallel"),
+        (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "tp/pp"],
+         "the placement 'tp/pp' names tp, pp, which this run's mesh does not have (its axes: dp)"),  # fmt: skip
         # output folders found unwritable before any work, --checkpoint-dir too (it was found inside the ranks)
         (["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"], "--checkpoint-dir /proc/ckpt: "
          "cannot write there"),  # fmt: skip

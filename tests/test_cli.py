@@ -374,3 +374,57 @@ def test_run_single_starts_no_process(monkeypatch, capsys):
     data = run_json(capsys, "run", "single", "--steps", "2")
     assert data["world_size"] == 1 and data["max_abs_loss_diff"] == 0 and data["max_abs_param_diff"] == 0
     assert data["ranks"][0]["memory"]["grads"] > 0 and data["ranks"][0]["wall_s"] > 0
+
+
+def test_ctrl_c_is_one_line_and_the_shells_status(monkeypatch, capsys):
+    from course_lib import harness
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "run_scheme", interrupted)
+    assert main(["run", "dp", "--world-size", "2"]) == 130
+    assert capsys.readouterr().err == "course-lib run: interrupted (Ctrl-C); no rank is left running\n"
+
+
+RANK_FAILURE = """rank 1 of 2 raised RuntimeError: broken on rank 1
+
+--- traceback of rank 1 ---
+Traceback (most recent call last):
+  File "/repo/course_lib/parallel/data.py", line 335, in accumulate
+    loss = strategy.model(x, y) / grad_accum
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1778, in _wrapped_call_impl
+    return self._call_impl(*args, **kwargs)
+  File "/home/me/my_model.py", line 9, in forward
+    raise RuntimeError("broken on rank 1")
+RuntimeError: broken on rank 1
+
+other ranks:
+  rank 0: raised RuntimeError: Connection reset by peer during step 0"""
+
+
+def test_a_ranks_failure_is_its_first_line_and_its_own_innermost_frames():
+    from course_lib.cli import short_failure
+
+    assert short_failure(RANK_FAILURE).splitlines() == [
+        "rank 1 of 2 raised RuntimeError: broken on rank 1",
+        '  /home/me/my_model.py, line 9, in forward: raise RuntimeError("broken on rank 1")',
+        "  /repo/course_lib/parallel/data.py, line 335, in accumulate: loss = strategy.model(x, y) / grad_accum",
+        "  (--traceback: the whole traceback, and what the other ranks were doing)",
+    ]
+    stalled = "rank 1 of 2 stalled in all_reduce #3 on world for 20 s\n  rank 0: busy in forward"
+    assert short_failure(stalled) == stalled  # no traceback: already what to read
+
+
+def test_run_traceback_prints_the_whole_failure(monkeypatch, capsys):
+    from course_lib import harness
+    from course_lib.runtime.launch import RankError
+
+    def fails(*args, **kwargs):
+        raise RankError(RANK_FAILURE)
+
+    monkeypatch.setattr(harness, "run_scheme", fails)
+    assert main(["run", "dp", "--world-size", "2", "--traceback"]) == 1
+    assert capsys.readouterr().err == f"course-lib run: {RANK_FAILURE}\n"
+    assert main(["run", "dp", "--world-size", "2"]) == 1
+    assert "(--traceback: the whole traceback" in capsys.readouterr().err

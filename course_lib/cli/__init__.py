@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 from course_lib.cli import calibrate, demo, goodput, hardware, memory, plan, run, schedule
@@ -26,7 +27,12 @@ COMMANDS = (memory, run, demo, schedule, hardware, calibrate, plan, goodput)  # 
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (what is wrong, and where the help is), exit status 2."""
+    """argparse that reports a bad argument in one line (what is wrong, and where the help is), exit status 2, and
+    reads ``-7e9`` as a (negative) number for the number types to refuse, not as an unknown flag."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
@@ -68,12 +74,33 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a command ended by SIGPIPE
+    except KeyboardInterrupt:  # the launcher has stopped every rank on its way out
+        print(f"{parser.prog} {args.command}: interrupted (Ctrl-C); no rank is left running", file=sys.stderr)
+        return 130  # what a shell reports for a command ended by SIGINT
     except Exception as err:
         launch = sys.modules.get("course_lib.runtime.launch")  # never imported: no rank ran, no RankError
         if launch is None or not isinstance(err, launch.RankError):
             raise
         if is_lead():  # the failing rank's own lines, not the launcher's traceback
             # A numerical diagnosis (fp16 gradients overflowing) says what to change; its traceback adds nothing.
-            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else err
-            print(f"{parser.prog} {args.command}: {said}", file=sys.stderr)
+            said = str(err).splitlines()[0] if isinstance(err.__cause__, FloatingPointError) else str(err)
+            whole = getattr(args, "traceback", False)
+            print(f"{parser.prog} {args.command}: {said if whole else short_failure(said)}", file=sys.stderr)
         return 1
+
+
+FRAMES_SHOWN = 3  # the failing rank's innermost frames outside the Python and torch libraries
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)\n    (?P<code>.+)$', re.M)
+
+
+def short_failure(message: str) -> str:
+    """A rank's failure as its first line and the innermost frames of its own code (the student's and the
+    course's, not the Python and torch libraries'), the whole traceback and the other ranks behind ``--traceback``.
+    A message with no traceback (a stall, a timeout, a dead rank) is already short: as it is."""
+    first, marker, rest = message.partition("\n\n--- traceback of rank ")
+    if not marker:
+        return message
+    frames = [f for f in _FRAME.finditer(rest) if "site-packages" not in f["file"] and "/lib/python3" not in f["file"]]
+    lines = [f"  {f['file']}, line {f['line']}, in {f['function']}: {f['code'].strip()}" for f in frames]
+    shown = list(reversed(lines[-FRAMES_SHOWN:]))
+    return "\n".join([first, *shown, "  (--traceback: the whole traceback, and what the other ranks were doing)"])

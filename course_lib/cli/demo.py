@@ -18,10 +18,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib.harness import SCHEMES, run_scheme, validate
     from course_lib.runtime import launch
 
-    train = train_config(args)
-    sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}
-    cfgs = {name: model_config(args, args.world_size, spec.model_settings) for name, spec in SCHEMES.items()}
-    try:  # every scheme checked before the first one runs
+    try:  # the model and training settings, then every scheme, checked before the first one runs
+        name, n = "the tiny GPT", args.world_size
+        train = train_config(args)
+        sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}
+        cfgs = {name: model_config(args, args.world_size, spec.model_settings) for name, spec in SCHEMES.items()}
         for name, n in sizes.items():
             validate(name, n, cfgs[name], train, {})
             launch.check_world_size(n, args.max_ranks)

@@ -30,6 +30,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if given and not {"tp", "pp", "dp"} & set(given):
         flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
         raise SystemExit(f"plan: {flags} describe a given layout: give --tp, --pp and --dp too (or none of them)")
+    if given and args.no_model_parallel:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+        raise SystemExit(
+            f"plan: --no-model-parallel asks the planner to search data-parallel layouts only, and {flags} give a "
+            "layout to evaluate: drop one or the other"
+        )
     try:
         model = make_model(args.preset, args.params, args.layers, args.hidden, args.heads, args.vocab, args.seq)
         if given:

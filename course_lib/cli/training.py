@@ -105,6 +105,12 @@ def add_training_flags(groups: dict[str, argparse._ArgumentGroup], modeled: bool
         "--dtype", choices=["float32", "float64"], default="float32", help="every tensor's type (default float32)"
     )
     groups["output"].add_argument("--plot", metavar="DIR", help="write the figures and a Chrome trace into DIR")
+    groups["output"].add_argument(
+        "--traceback",
+        action="store_true",
+        help="when a rank fails, print its whole traceback and what the other ranks were doing (default: its "
+        "innermost lines)",
+    )
 
 
 def _add_model_flags(model: argparse._ArgumentGroup, modeled: dict) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import needs_cuda, process_alive, read_pids, write_pid
 
 from course_lib.ledgers import comm
-from course_lib.runtime import launch
+from course_lib.runtime import launch, ranks
 
 
 def rank_info(offset, scale=1):
@@ -176,8 +176,142 @@ def test_too_many_ranks_are_refused_before_any_starts():
     with pytest.raises(ValueError, match=r"world size 1000 is more ranks than this machine holds .*--max-ranks"):
         launch.run(rank_info, 1000, 0)
     assert launch.max_local_ranks() >= 8, "the course's 3D grid needs 8 ranks on any machine"
-    with pytest.raises(ValueError, match="more ranks than this machine holds \\(2"):
+    with pytest.raises(ValueError, match=r"world size 3 is more ranks than your limit allows \(max_ranks=2,") as err:
         launch.run(rank_info, 3, 0, max_ranks=2)
+    assert "this machine" not in str(err.value), "the user's limit refused it, not the machine's rule"
+
+
+MEMINFO = """MemTotal:       24684084 kB
+MemFree:         1525412 kB
+MemAvailable:   21915716 kB
+Cached:         19516508 kB
+HugePages_Total:       0
+Hugepagesize:       2048 kB
+"""
+
+
+def test_meminfo_is_read_in_bytes():
+    assert ranks.parse_meminfo(MEMINFO) == {
+        "MemTotal": 24684084 * 1024,
+        "MemFree": 1525412 * 1024,
+        "MemAvailable": 21915716 * 1024,
+        "Cached": 19516508 * 1024,
+        "HugePages_Total": 0,
+        "Hugepagesize": 2048 * 1024,
+    }
+    assert ranks.parse_meminfo("") == {}
+
+
+# /proc/self/mountinfo and /proc/self/cgroup of a process in cgroup v2's /user.slice/job and v1's memory /batch/job
+MOUNTINFO = """25 1 8:1 / / rw,relatime - ext4 /dev/vda rw
+35 25 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate
+36 25 0:31 / /sys/fs/cgroup-v1/memory rw,nosuid - cgroup cgroup rw,memory
+37 25 0:32 / /sys/fs/cgroup-v1/cpu rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+"""
+MEMBERSHIP = "4:memory:/batch/job\n3:cpu,cpuacct:/batch\n0::/user.slice/job\n"
+
+
+def fake_cgroup(folder, files: dict[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_a_memory_cgroup_limits_the_memory_available(tmp_path, monkeypatch):
+    """v2: the parent's limit binds (1 GiB less 0.9 GiB used, 0.5 GiB of it file cache: 0.6 GiB left); v1: the
+    memory controller's limit less its use, its cache free. The machine's MemAvailable counts only where lower."""
+    mounts = MOUNTINFO.replace("/sys/fs", str(tmp_path))
+    found = ranks.memory_cgroups(mounts, MEMBERSHIP)
+    v2, v1 = tmp_path / "cgroup", tmp_path / "cgroup-v1/memory"
+    assert found == [("cgroup2", v2 / "user.slice/job", v2), ("cgroup", v1 / "batch/job", v1)]
+    gib = 2**30
+    fake_cgroup(
+        v2 / "user.slice",
+        {
+            "memory.max": f"{gib}\n",
+            "memory.current": f"{int(0.9 * gib)}\n",
+            "memory.stat": f"anon 1\nactive_file {gib // 4}\ninactive_file {gib // 4}\n",
+        },
+    )
+    fake_cgroup(v2 / "user.slice/job", {"memory.max": "max\n", "memory.current": "0\n", "memory.stat": ""})
+    assert ranks.cgroup_room("cgroup2", v2 / "user.slice/job", v2) == gib - int(0.9 * gib) + gib // 2
+    fake_cgroup(
+        v1 / "batch/job",
+        {
+            "memory.limit_in_bytes": "800000000\n",
+            "memory.usage_in_bytes": "700000000\n",
+            "memory.stat": "cache 5\ntotal_active_file 1000\ntotal_inactive_file 2000\n",
+        },
+    )
+    assert ranks.cgroup_room("cgroup", v1 / "batch/job", v1) == 100_003_000
+    assert ranks.cgroup_room("cgroup", v1 / "batch", v1) is None, "no limit read: no room to count"
+    # The launcher's limit: 64 MiB left in the cgroup fits no second rank, whatever the machine has.
+    fake_cgroup(tmp_path / "tight", {"memory.max": f"{2**26}", "memory.current": "0", "memory.stat": ""})
+    monkeypatch.setattr(
+        ranks, "memory_cgroups", lambda mountinfo, membership: [("cgroup2", tmp_path / "tight", tmp_path)]
+    )
+    assert ranks.available_memory() == 2**26 and launch.max_local_ranks() == 1
+    with pytest.raises(ValueError, match=r"this machine holds \(1: .* \(0\.1 GiB available, ~400 MB a rank\)\)"):
+        launch.check_world_size(2)
+
+
+def test_without_meminfo_the_free_pages_count(tmp_path, monkeypatch):
+    """Where /proc/meminfo is not (macOS, BSD) the free pages count, and without those only the cores."""
+    monkeypatch.setattr(ranks, "MEMINFO", str(tmp_path / "no-meminfo"))
+    monkeypatch.setattr(ranks, "memory_cgroups", lambda mountinfo, membership: [])
+    pages = {"SC_AVPHYS_PAGES": 3000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert ranks.available_memory() == 3000 * 4096
+
+    def no_sysconf(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    assert ranks.available_memory() is None
+    assert launch.max_local_ranks() == max(8, 4 * ranks.cores())
+
+
+def free_pages_bytes() -> int:
+    """What the old rank limit read: the free pages, which the page cache eats."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def in_memory_filesystem(path) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs, where a file's pages are shared memory, not page cache."""
+    mounts = [line.split() for line in open("/proc/mounts")]
+    mount = max((m for m in mounts if str(path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
+    return mount[2] in ("tmpfs", "ramfs")
+
+
+FILL_BYTES = 2**28  # the page cache filled with 256 MiB: 0.2-0.7 s to write here (2 shared cores)
+
+
+def test_the_page_cache_does_not_count_against_the_rank_limit(tmp_path, monkeypatch):
+    """Issue 36: on a 24 GB machine with 21 GB available, 4 ranks were refused, because the limit read the free
+    pages, which the page cache eats. Fill the cache with a file written and read back (the free pages drop), then
+    price a rank so that the free pages would fit fewer than the course's 8 ranks: the available memory fits 8."""
+    if in_memory_filesystem(tmp_path):
+        pytest.skip(f"{tmp_path} is in memory (tmpfs): its file would be shared memory, not page cache")
+    free_before, available_before = free_pages_bytes(), ranks.available_memory()
+    path, block = tmp_path / "cache", bytes(2**26)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(FILL_BYTES // len(block)):
+                f.write(block)
+        with open(path, "rb") as f:
+            while f.read(len(block)):
+                pass
+        free, available = free_pages_bytes(), ranks.available_memory()
+        # What other processes allocate meanwhile takes from both; the page cache only from the free pages.
+        cached = (free_before - free) - (available_before - available)
+        assert cached > FILL_BYTES // 2, f"free {free_before} -> {free} B, available {available_before} -> {available}"
+        per_rank = (free + available) // 16  # between free / 8 and available / 8
+        assert free // per_rank < 8 <= available // per_rank, (free, available)  # the old formula would refuse 8
+        monkeypatch.setattr(launch, "RANK_MEMORY_BYTES", per_rank)
+        assert launch.max_local_ranks() >= 8
+        launch.check_world_size(8)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def returns_at_once():
@@ -350,3 +484,4 @@ def test_a_torchrun_restart_comes_back(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0 and "restarted and finished: [2.0, 2.0]" in done.stdout, done.stderr[-3000:]
+

@@ -1,5 +1,6 @@
 """The launcher: real ranks, results in rank order, and every failure a clear error with no process left behind."""
 
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from conftest import needs_cuda, process_alive, read_pids, write_pid
 
 from course_lib.ledgers import comm
-from course_lib.runtime import launch, ranks
+from course_lib.runtime import failures, launch, ranks
 
 
 def rank_info(offset, scale=1):
@@ -485,3 +486,63 @@ def test_a_torchrun_restart_comes_back(tmp_path):
     )
     assert done.returncode == 0 and "restarted and finished: [2.0, 2.0]" in done.stdout, done.stderr[-3000:]
 
+
+def mismatched(kind: str):
+    """Rank 1 gives a collective other tensors than rank 0, after one all-reduce that both give alike."""
+    rank = dist.get_rank()
+    comm.all_reduce(torch.ones(2))
+    if kind == "all_reduce":
+        comm.all_reduce(torch.ones(2 + rank))
+    elif kind == "all_gather":
+        comm.all_gather(torch.empty(2 * (2 + rank)), torch.ones(2 + rank))
+    else:
+        comm.all_reduce(torch.ones(2, dtype=torch.float64 if rank else torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        ("all_reduce", "all_reduce #2 on group world: rank 0 sent float32 [2], rank 1 sent float32 [3]"),
+        ("all_gather", "all_gather #2 on group world: rank 0 sent float32 [2], rank 1 sent float32 [3]"),
+        ("dtype", "all_reduce #2 on group world: rank 0 sent float32 [2], rank 1 sent float64 [2]"),
+    ],
+    ids=["all_reduce", "all_gather", "dtype"],
+)
+def test_a_collective_given_other_tensors_on_each_rank_is_named(kind, named):
+    """gloo says "Connection closed by peer" or aborts a rank ("op.preamble.length <= op.nbytes"); the message
+    leads with the collective, its group and what each rank sent, before gloo's words."""
+    with pytest.raises(launch.RankError) as err:
+        launch.run(mismatched, 2, kind, timeout=30, stall_timeout=5)
+    first = str(err.value).splitlines()[0]
+    assert first == f"{named}: the tensors must have the same shape and dtype on every rank", str(err.value)
+
+
+def stuck_in(status, rank: int, op: str, given: str, number: int = 3) -> None:
+    """Rank ``rank``'s status: blocked in ``op`` #``number`` on the world (ranks 0 and 1) for a minute."""
+    entry = status[rank]
+    entry.op, entry.group, entry.members, entry.number = op.encode(), b"world", hash((0, 1)), number
+    entry.given, entry.blocked_since, entry.step = given.encode(), time.monotonic() - 60, -1
+    entry.text = f"in {op} #{number} on world".encode()
+
+
+def test_a_hang_in_a_collective_the_ranks_disagree_on_is_a_stall():
+    """NCCL waits for ever in a collective whose ranks gave different tensors: every rank is in it, which alone is
+    a slow transfer and no stall, but with the tensors named it is one."""
+    here = [ranks.RankState(process=mp.current_process(), conn=None) for _ in range(2)]
+    status = (ranks.RankStatus * 2)()
+    stuck_in(status, 0, "all_reduce", "float32 [2]")
+    stuck_in(status, 1, "all_reduce", "float32 [2]")
+    assert failures.stall_message(here, {0, 1}, 20, status) is None, "the same collective, alike: a transfer"
+    stuck_in(status, 1, "all_reduce", "bfloat16 [2]")
+    message = failures.stall_message(here, {0, 1}, 20, status)
+    assert message.startswith(
+        "all_reduce #3 on group world: rank 0 sent float32 [2], rank 1 sent bfloat16 [2]: the tensors must have the "
+        "same shape and dtype on every rank\nranks [0, 1] of 2 waited over 20 s in a collective they disagree on:\n"
+    ), message
+    stuck_in(status, 1, "broadcast", "float32 [2]")
+    assert failures.mismatch(status) == (
+        "collective #3 on group world: rank 0 called all_reduce (float32 [2]), rank 1 called broadcast (float32 [2]): "
+        "every rank of a group must call the same collectives in turn"
+    )
+    stuck_in(status, 1, "all_reduce", "float32 [3]", number=4)
+    assert failures.mismatch(status) is None, "different collectives of the group: no pair to compare"

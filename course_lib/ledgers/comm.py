@@ -76,8 +76,25 @@ class CommRecord:
     through_host: bool = False  # its tensors were copied to host memory and back (see the module's docstring)
 
 
-# told (what, group name, the collective's number on that group, whether the rank is now blocked in it)
-StatusSink = Callable[[str, str, int, bool], None]
+# Ops whose tensors every rank of the group must give alike: the same dtype and shape (all_to_all: the same dtype
+# and row shape; its rows may be split unevenly). send and recv pair with a peer, not with the group.
+_ALIKE_ON_EVERY_RANK = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Which collective a rank is in, as the status sink hears it: its op, its group (the name and the members, as
+    global ranks), its number on that group, and what this rank gave it (:func:`given`)."""
+
+    op: str
+    group: str
+    members: tuple[int, ...]
+    number: int
+    given: str
+
+
+# told (what the rank does, in words; the collective; whether the rank is now blocked in it)
+StatusSink = Callable[[str, Collective, bool], None]
 
 
 class _Ledger:
@@ -104,8 +121,9 @@ def records() -> list[CommRecord]:
 
 
 def set_status_sink(sink: StatusSink | None) -> None:
-    """Have ``sink`` told which collective this rank enters, waits for and leaves: in words, with its group, its
-    number on that group and whether the rank is blocked in it (the launcher's hang watchdog and report)."""
+    """Have ``sink`` told which collective this rank enters, waits for and leaves: in words, with the
+    :class:`Collective` and whether the rank is blocked in it (the launcher's hang watchdog and its reports, which
+    compare what the ranks gave one collective)."""
     _LEDGER.status_sink = sink
 
 
@@ -128,15 +146,28 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def given(op: str, tensors: Sequence[torch.Tensor]) -> str:
+    """What a rank gives ``op`` that every rank of the group must give alike, in words: the dtype and shape of the
+    tensor it sends (the last of ``tensors``: the input of reduce_scatter, all_gather and all_to_all), with ``*``
+    for all_to_all's rows; ``""`` for barrier and for the point-to-point ops, whose peers need not match."""
+    if op not in _ALIKE_ON_EVERY_RANK or not tensors:
+        return ""
+    sent = tensors[-1]
+    shape = [str(size) for size in sent.shape]
+    if op == "all_to_all" and shape:
+        shape[0] = "*"
+    return f"{str(sent.dtype).removeprefix('torch.')} [{', '.join(shape)}]"
+
+
 class Handle:
     """An async collective in flight; :meth:`wait` blocks until it is done, copies back what went through host
     memory and closes its ledger record."""
 
-    def __init__(self, work, record: CommRecord, index: int, number: int, describe: str, copy_back) -> None:
+    def __init__(self, work, record: CommRecord, index: int, where: Collective, describe: str, copy_back) -> None:
         self._work = work
         self._record = record
         self._index = index
-        self._number = number
+        self._where = where
         self._describe = describe
         self._copy_back = copy_back
         self._done = False
@@ -145,10 +176,10 @@ class Handle:
         if self._done:
             return
         trace.waiting(self._index)
-        _tell(f"waiting for {self._describe}", self._record.group, self._number, blocked=True)
+        _tell(f"waiting for {self._describe}", self._where, blocked=True)
         self._work.wait()
         self._copy_back()
-        _finish(self._record, self._number, self._describe)
+        _finish(self._record, self._where, self._describe)
         self._done = True
 
 
@@ -183,15 +214,15 @@ def _staged(
     return copies, copy_back
 
 
-def _tell(status: str, group: str, number: int, blocked: bool) -> None:
+def _tell(status: str, where: Collective, blocked: bool) -> None:
     if _LEDGER.status_sink is not None:
-        _LEDGER.status_sink(status, group, number, blocked)
+        _LEDGER.status_sink(status, where, blocked)
 
 
-def _finish(rec: CommRecord, number: int, describe: str) -> None:
+def _finish(rec: CommRecord, where: Collective, describe: str) -> None:
     rec.end = trace.now()
     trace.record("comm", rec.op, rec.start, rec.end, rec.tags, group=rec.group, bytes=rec.sent_bytes)
-    _tell(f"finished {describe}", rec.group, number, blocked=False)
+    _tell(f"finished {describe}", where, blocked=False)
 
 
 def _call(
@@ -232,16 +263,17 @@ def _call(
     number = _LEDGER.calls[rec.group] = _LEDGER.calls.get(rec.group, 0) + 1
     where = f" with rank {peer}" if peer is not None else ""
     describe = f"{op} #{number} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
+    collective = Collective(op, rec.group, rec.ranks, number, given(op, tensors))
     trace.issued(index)
     if not async_op:
         trace.waiting(index)
-    _tell(f"in {describe}", rec.group, number, blocked=not async_op)
+    _tell(f"in {describe}", collective, blocked=not async_op)
     work = issue(*run_on)
     if async_op:
-        _tell(f"issued {describe}", rec.group, number, blocked=False)
-        return Handle(work, rec, index, number, describe, copy_back)
+        _tell(f"issued {describe}", collective, blocked=False)
+        return Handle(work, rec, index, collective, describe, copy_back)
     copy_back()
-    _finish(rec, number, describe)
+    _finish(rec, collective, describe)
     return None
 
 

@@ -31,19 +31,25 @@ import torch.distributed as dist
 from course_lib.ledgers import comm
 
 STATUS_TEXT_BYTES = 200
+STATUS_GIVEN_BYTES = 120  # a tensor's dtype and shape, as comm.given says them
 MEMINFO = "/proc/meminfo"  # the kernel's account of the machine's memory (Linux)
 STORE_PREFIX = "course_lib-store-"  # a store file's name: the prefix, the launching process's pid, a random tail
 
 
 class RankStatus(ctypes.Structure):
-    """Where one rank is, in memory shared with the launcher: what it last did (in words), the group and number of
-    its current collective, since when it has been blocked in it (``time.monotonic()``; 0 when not blocked), and
-    the training step it began last (-1 before the first; :func:`course_lib.runtime.launch.began_step`)."""
+    """Where one rank is, in memory shared with the launcher: what it last did (in words); its current (or last)
+    collective: the op, the group's name, a hash of its members (which of the groups of that name), the number on
+    that group and what this rank gave it (:func:`course_lib.ledgers.comm.given`); since when it has been blocked in
+    it (``time.monotonic()``; 0 when not blocked); and the training step it began last (-1 before the first;
+    :func:`course_lib.runtime.launch.began_step`)."""
 
     _fields_ = [
         ("text", ctypes.c_char * STATUS_TEXT_BYTES),
+        ("op", ctypes.c_char * 16),
         ("group", ctypes.c_char * 32),
+        ("members", ctypes.c_int64),
         ("number", ctypes.c_long),
+        ("given", ctypes.c_char * STATUS_GIVEN_BYTES),
         ("blocked_since", ctypes.c_double),
         ("step", ctypes.c_long),
     ]
@@ -323,10 +329,11 @@ def die_with_parent() -> None:
 def status_teller(mine: RankStatus) -> comm.StatusSink:
     """A :func:`course_lib.ledgers.comm.set_status_sink` sink that writes into this rank's shared status entry."""
 
-    def tell(text: str, group: str, number: int, blocked: bool) -> None:
+    def tell(text: str, where: comm.Collective, blocked: bool) -> None:
         mine.blocked_since = 0.0
         mine.text = text.encode()[: STATUS_TEXT_BYTES - 1]
-        mine.group, mine.number = group.encode()[:31], number
+        mine.op, mine.group, mine.members = where.op.encode()[:15], where.group.encode()[:31], hash(where.members)
+        mine.number, mine.given = where.number, where.given.encode()[: STATUS_GIVEN_BYTES - 1]
         mine.blocked_since = time.monotonic() if blocked else 0.0
 
     return tell

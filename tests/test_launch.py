@@ -544,5 +544,8 @@ def test_a_hang_in_a_collective_the_ranks_disagree_on_is_a_stall():
         "collective #3 on group world: rank 0 called all_reduce (float32 [2]), rank 1 called broadcast (float32 [2]): "
         "every rank of a group must call the same collectives in turn"
     )
+    status[1].writes = 1  # rank 1 is writing its next collective: what its entry holds may be half of each
+    assert failures.mismatch(status) is None
+    status[1].writes = 2
     stuck_in(status, 1, "all_reduce", "float32 [3]", number=4)
     assert failures.mismatch(status) is None, "different collectives of the group: no pair to compare"

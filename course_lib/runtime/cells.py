@@ -52,6 +52,7 @@ from course_lib.runtime import failures, launch
 from course_lib.runtime.forkserver import RANK_NAME, context
 from course_lib.runtime.ranks import (
     RankState,
+    collective_of,
     cores,
     describe_exit,
     die_with_parent,
@@ -201,7 +202,7 @@ class Ranks:
         self._ranks: list[RankState] = []
         self._store_path = ""
         self._status = None
-        self._asked_at: list[tuple] = []  # each rank's collective when the last request was sent
+        self._asked_at: list[tuple | None] = []  # each rank's collective when the last request was sent
         self.start()
 
     def start(self) -> None:
@@ -244,7 +245,7 @@ class Ranks:
         """Send one request to ``ranks`` and return their answers; a rank that dies, a request that outlives
         ``timeout`` or an interrupt (Jupyter's stop button) restarts all ranks, so that no late answer is taken for
         the next request's, and raises :class:`CellError` saying where each rank was."""
-        self._asked_at = [(s.group, s.members, s.number) for s in self._status]
+        self._asked_at = [collective_of(entry) for entry in self._status]
         for r in ranks:
             with contextlib.suppress(OSError):  # a rank that died since the last request: _collect reports it
                 self._ranks[r].conn.send((kind, body))
@@ -314,8 +315,8 @@ class Ranks:
     def _entered(self) -> set[int]:
         """The ranks that entered a collective since the last request was sent: a rank's status otherwise still
         holds a collective of an earlier cell."""
-        asked_at = self._asked_at or [None] * self.world_size  # None: nothing asked yet (the ranks are starting)
-        return {r for r, s in enumerate(self._status) if (s.group, s.members, s.number) != asked_at[r]}
+        asked_at = self._asked_at or [None] * self.world_size  # nothing asked yet: the ranks are starting
+        return {r for r, entry in enumerate(self._status) if collective_of(entry) != asked_at[r]}
 
     def run_cell(self, code: str, ranks: tuple[int, ...], timeout: float) -> Cell:
         """Run ``code`` on ``ranks``, show each rank's output, value and figures, and return the cell's ledger."""

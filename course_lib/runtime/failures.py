@@ -17,7 +17,7 @@ import time
 
 import cloudpickle
 
-from course_lib.runtime.ranks import RankState, laggards, last_seen, process_state, rank_lines
+from course_lib.runtime.ranks import RankState, collective_of, laggards, last_seen, process_state, rank_lines
 
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler), when it holds a run up
 STACK_LINES = 8  # innermost frames per thread shown
@@ -33,10 +33,11 @@ def mismatch(status, among: set[int] | None = None) -> str | None:
     ops there, named with what each rank gave, from the ranks' status (each rank's current or last collective);
     None where they agree. Point-to-point ops pair a rank with its peer, not with its group, and are left out."""
     calls: dict[tuple, dict[int, tuple[str, str]]] = {}
-    for r, s in enumerate(status):
-        op = s.op.decode(errors="replace")
-        if s.number and op not in ("send", "recv") and (among is None or r in among):
-            calls.setdefault((s.number, s.group, s.members), {})[r] = (op, s.given.decode(errors="replace"))
+    for r, entry in enumerate(status):
+        seen = collective_of(entry) if among is None or r in among else None
+        if seen is not None and seen[3] not in ("send", "recv"):
+            number, group, members, op, given_here = seen
+            calls.setdefault((number, group, members), {})[r] = (op, given_here)
     for (number, group, _), given in sorted(calls.items()):
         alike: dict[tuple[str, str], list[int]] = {}
         for r, call in given.items():

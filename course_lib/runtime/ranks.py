@@ -39,12 +39,14 @@ STORE_PREFIX = "course_lib-store-"  # a store file's name: the prefix, the launc
 class RankStatus(ctypes.Structure):
     """Where one rank is, in memory shared with the launcher: what it last did (in words); its current (or last)
     collective: the op, the group's name, a hash of its members (which of the groups of that name), the number on
-    that group and what this rank gave it (:func:`course_lib.ledgers.comm.given`); since when it has been blocked in
-    it (``time.monotonic()``; 0 when not blocked); and the training step it began last (-1 before the first;
+    that group and what this rank gave it (:func:`course_lib.ledgers.comm.given`), with how often the rank has begun
+    and ended writing those (odd while it writes: :func:`collective_of`); since when it has been blocked in it
+    (``time.monotonic()``; 0 when not blocked); and the training step it began last (-1 before the first;
     :func:`course_lib.runtime.launch.began_step`)."""
 
     _fields_ = [
         ("text", ctypes.c_char * STATUS_TEXT_BYTES),
+        ("writes", ctypes.c_long),
         ("op", ctypes.c_char * 16),
         ("group", ctypes.c_char * 32),
         ("members", ctypes.c_int64),
@@ -231,6 +233,23 @@ def _status_of(status, rank: int) -> str:
     return status[rank].text.decode(errors="replace") or "no collective yet"
 
 
+def collective_of(entry: RankStatus) -> tuple[int, bytes, int, str, str] | None:
+    """A rank's current (or last) collective, read whole from its status entry: (number on the group, group name,
+    hash of the members, op, what the rank gave it); None before its first and while the rank writes a new one, so
+    that no mix of two collectives is taken for one."""
+    writes = entry.writes
+    if writes % 2 or not entry.number:
+        return None
+    seen = (
+        entry.number,
+        entry.group,
+        entry.members,
+        entry.op.decode(errors="replace"),
+        entry.given.decode(errors="replace"),
+    )
+    return seen if entry.writes == writes else None
+
+
 def last_seen(status, rank: int) -> str:
     """`` during step k (last: what it did)``: the step the rank began last, if it trains, and its last collective."""
     step = status[rank].step
@@ -332,8 +351,10 @@ def status_teller(mine: RankStatus) -> comm.StatusSink:
     def tell(text: str, where: comm.Collective, blocked: bool) -> None:
         mine.blocked_since = 0.0
         mine.text = text.encode()[: STATUS_TEXT_BYTES - 1]
+        mine.writes += 1
         mine.op, mine.group, mine.members = where.op.encode()[:15], where.group.encode()[:31], hash(where.members)
         mine.number, mine.given = where.number, where.given.encode()[: STATUS_GIVEN_BYTES - 1]
+        mine.writes += 1
         mine.blocked_since = time.monotonic() if blocked else 0.0
 
     return tell

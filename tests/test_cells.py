@@ -225,8 +225,15 @@ def test_a_collective_given_other_shapes_is_named(kernel):
         r"disagree on:\n",
         error,
     ), error
-    # gloo takes a broadcast into a larger tensor without a word; the next cell's own error is not blamed on it
-    kernel.ok("%%ranks\ncomm.broadcast(torch.ones(2 + rank), src=0)")
+    # gloo takes a broadcast into a larger tensor without a word: the cell's ledgers name it; the next cell's own
+    # error is not blamed on it
+    out, error = kernel.run("%%ranks\ncomm.broadcast(torch.ones(2 + rank), src=0)")
+    assert re.search(
+        r"CellError: broadcast #\d+ on group world: rank 0 sent float32 \[2\], rank 1 sent float32 \[3\]: the "
+        r"tensors must have the same shape and dtype on every rank\nThe cell ended without an error, but what that "
+        r"collective wrote is wrong on some rank.",
+        error,
+    ), error
     out, error = kernel.run("%%ranks\nif rank == 1:\n    raise ValueError('unrelated')")
     assert "ValueError: unrelated" in error and "sent float32" not in error, error
 

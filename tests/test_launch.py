@@ -495,6 +495,8 @@ def mismatched(kind: str):
         comm.all_reduce(torch.ones(2 + rank))
     elif kind == "all_gather":
         comm.all_gather(torch.empty(2 * (2 + rank)), torch.ones(2 + rank))
+    elif kind == "broadcast":
+        comm.broadcast(torch.ones(2 + rank), src=0)
     else:
         comm.all_reduce(torch.ones(2, dtype=torch.float64 if rank else torch.float32))
 
@@ -505,22 +507,50 @@ def mismatched(kind: str):
         ("all_reduce", "all_reduce #2 on group world: rank 0 sent float32 [2], rank 1 sent float32 [3]"),
         ("all_gather", "all_gather #2 on group world: rank 0 sent float32 [2], rank 1 sent float32 [3]"),
         ("dtype", "all_reduce #2 on group world: rank 0 sent float32 [2], rank 1 sent float64 [2]"),
+        ("broadcast", "broadcast #2 on group world: rank 0 sent float32 [2], rank 1 sent float32 [3]"),
     ],
-    ids=["all_reduce", "all_gather", "dtype"],
+    ids=["all_reduce", "all_gather", "dtype", "broadcast"],
 )
 def test_a_collective_given_other_tensors_on_each_rank_is_named(kind, named):
-    """gloo says "Connection closed by peer" or aborts a rank ("op.preamble.length <= op.nbytes"); the message
-    leads with the collective, its group and what each rank sent, before gloo's words."""
+    """gloo says "Connection closed by peer" or aborts a rank ("op.preamble.length <= op.nbytes"), or, for the
+    broadcast into a larger tensor, nothing at all; the message leads with the collective, its group and what each
+    rank sent, before gloo's words or instead of a result."""
     with pytest.raises(launch.RankError) as err:
         launch.run(mismatched, 2, kind, timeout=30, stall_timeout=5)
-    first = str(err.value).splitlines()[0]
+    first, *rest = str(err.value).splitlines()
     assert first == f"{named}: the tensors must have the same shape and dtype on every rank", str(err.value)
+    if kind == "broadcast":
+        assert rest == ["The run ended without an error, but what that collective wrote is wrong on some rank."]
+
+
+def sends_then_sums():
+    """Rank 1 of 3 receives from rank 0 and sends to rank 2 on the world group, then all three all-reduce 2 numbers
+    and then 3: the first all-reduce is rank 1's call #3 on the world, and #3 is the others' second."""
+    rank, t, u = dist.get_rank(), torch.ones(2), torch.ones(3)
+    if rank > 0:
+        comm.recv(t, rank - 1)
+    if rank < 2:
+        comm.send(t, rank + 1)
+    comm.all_reduce(t)
+    comm.all_reduce(u)
+    return t.tolist() + u.tolist()
+
+
+def test_point_to_point_calls_do_not_shift_a_collective_s_turn():
+    """A pipeline's middle stage sends and receives twice as often as the ends: the collectives' numbers on the
+    group differ between the ranks, their turns do not, so a run that agrees is not taken for a mismatch (by number,
+    rank 1's all-reduce of 2 would meet the others' of 3)."""
+    result = launch.run(sends_then_sums, 3)
+    assert list(result) == [[3.0] * 5] * 3
+    numbers = [[(r.number, r.turn, r.given) for r in recs if r.op == "all_reduce"] for recs in result.comm]
+    assert numbers[0] == numbers[2] == [(2, 1, "float32 [2]"), (3, 2, "float32 [3]")]
+    assert numbers[1] == [(3, 1, "float32 [2]"), (4, 2, "float32 [3]")]
 
 
 def stuck_in(status, rank: int, op: str, given: str, number: int = 3) -> None:
     """Rank ``rank``'s status: blocked in ``op`` #``number`` on the world (ranks 0 and 1) for a minute."""
     entry = status[rank]
-    entry.op, entry.group, entry.members, entry.number = op.encode(), b"world", hash((0, 1)), number
+    entry.op, entry.group, entry.members, entry.number, entry.turn = op.encode(), b"world", hash((0, 1)), number, number
     entry.given, entry.blocked_since, entry.step = given.encode(), time.monotonic() - 60, -1
     entry.text = f"in {op} #{number} on world".encode()
 

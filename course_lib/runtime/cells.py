@@ -332,6 +332,9 @@ class Ranks:
         if errors:
             said = "\n".join(f"{label} raised:\n{text}" for label, text in _grouped(errors)).rstrip()
             raise CellError(self._leading_with_mismatch(said))
+        disagreed = failures.ledger_mismatch(cell.records, "cell")
+        if disagreed is not None:
+            raise CellError(disagreed)
         return cell
 
     def get(self, name: str, timeout: float) -> list:

@@ -17,6 +17,7 @@ import time
 
 import cloudpickle
 
+from course_lib.ledgers.comm import CommRecord
 from course_lib.runtime.ranks import RankState, collective_of, laggards, last_seen, process_state, rank_lines
 
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler), when it holds a run up
@@ -28,31 +29,59 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
+# A collective as the checks below compare it: (turn, group name, members) -> {rank: (op, given, number)}
+_Calls = dict[tuple, dict[int, tuple[str, str, int]]]
+
+
 def mismatch(status, among: set[int] | None = None) -> str | None:
     """The first collective whose ranks (of ``among``, default all) gave it different tensors or called different
-    ops there, named with what each rank gave, from the ranks' status (each rank's current or last collective);
-    None where they agree. Point-to-point ops pair a rank with its peer, not with its group, and are left out."""
-    calls: dict[tuple, dict[int, tuple[str, str]]] = {}
+    ops at its turn, named with what each rank gave, from the ranks' status (each rank's current or last collective,
+    :func:`course_lib.runtime.ranks.collective_of`); None where they agree. Point-to-point calls pair a rank with its
+    peer, not with its group, and are left out."""
+    calls: _Calls = {}
     for r, entry in enumerate(status):
         seen = collective_of(entry) if among is None or r in among else None
-        if seen is not None and seen[3] not in ("send", "recv"):
-            number, group, members, op, given_here = seen
-            calls.setdefault((number, group, members), {})[r] = (op, given_here)
-    for (number, group, _), given in sorted(calls.items()):
+        if seen is not None:
+            turn, group, members, number, op, given = seen
+            calls.setdefault((turn, group, members), {})[r] = (op, given, number)
+    return _first_disagreement(calls)
+
+
+def ledger_mismatch(records: dict[int, list[CommRecord]], what: str) -> str | None:
+    """:func:`mismatch` over every collective of the ranks' ledgers (``{rank: its records}``) of a ``what`` (a run, a
+    cell) that ended without an error, and what that means; None where they agree. gloo runs some such collectives
+    without a word: a broadcast into a larger tensor, an all_gather of other shapes on the rank that receives less."""
+    calls: _Calls = {}
+    for r, recs in records.items():
+        for rec in recs:
+            if rec.turn:
+                calls.setdefault((rec.turn, rec.group, rec.ranks), {})[r] = (rec.op, rec.given, rec.number)
+    disagreed = _first_disagreement(calls)
+    if disagreed is None:
+        return None
+    return f"{disagreed}\nThe {what} ended without an error, but what that collective wrote is wrong on some rank."
+
+
+def _first_disagreement(calls: _Calls) -> str | None:
+    """The first collective, by turn, at which the ranks called different ops or gave different tensors, in words
+    (its number as its lowest rank counts it)."""
+    for (_, group, _), by_rank in sorted(calls.items(), key=lambda item: item[0][:2]):
         alike: dict[tuple[str, str], list[int]] = {}
-        for r, call in given.items():
-            alike.setdefault(call, []).append(r)
+        for r, (op, given, _) in sorted(by_rank.items()):
+            alike.setdefault((op, given), []).append(r)
         if len(alike) < 2:
             continue
-        ops = {op for op, _ in alike}
-        where = f"on group {group.decode(errors='replace')}"
+        ops, number = {op for op, _ in alike}, by_rank[min(by_rank)][2]
         if len(ops) > 1:
             said = ", ".join(f"{_ranks(rs)} called {op} ({what or 'no tensor'})" for (op, what), rs in alike.items())
-            return f"collective #{number} {where}: {said}: every rank of a group must call the same collectives in turn"
+            return (
+                f"collective #{number} on group {group}: {said}: every rank of a group must call the same collectives "
+                "in turn"
+            )
         op = ops.pop()
         said = ", ".join(f"{_ranks(rs)} sent {what}" for (_, what), rs in alike.items())
         alike_in = "dtype and row shape" if op == "all_to_all" else "shape and dtype"
-        return f"{op} #{number} {where}: {said}: the tensors must have the same {alike_in} on every rank"
+        return f"{op} #{number} on group {group}: {said}: the tensors must have the same {alike_in} on every rank"
     return None
 
 

@@ -294,6 +294,14 @@ def _call(fn, args, kwargs, count_flops: bool):
         return fn(*args, **kwargs)
 
 
+def _refuse_a_mismatch(records) -> None:
+    """A :class:`RankError` for a run that ended without an error although its ranks gave a collective different
+    tensors (:func:`course_lib.runtime.failures.ledger_mismatch`): its results are wrong."""
+    disagreed = failures.ledger_mismatch(dict(enumerate(records)), "run")
+    if disagreed is not None:
+        raise RankError(disagreed)
+
+
 def _ledgers(value) -> tuple:
     """What a rank sends back: its value, comm records, timeline events and program."""
     return value, comm.records(), trace.events(), trace.program()
@@ -343,6 +351,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, _ledgers(value))
     values, records, events, programs = (list(x) for x in zip(*gathered, strict=True))
+    _refuse_a_mismatch(records)
     return RunResult(values, records, events, programs, backend, time.perf_counter() - started, placed)
 
 
@@ -420,6 +429,7 @@ def _run_local(fn, world_size, args, kwargs, backend, placed: str, limits: _Limi
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
+    _refuse_a_mismatch(records)
     wall_s = time.perf_counter() - epoch
     return RunResult(list(values), list(records), list(events), list(programs), backend, wall_s, placed)
 

@@ -39,7 +39,8 @@ STORE_PREFIX = "course_lib-store-"  # a store file's name: the prefix, the launc
 class RankStatus(ctypes.Structure):
     """Where one rank is, in memory shared with the launcher: what it last did (in words); its current (or last)
     collective: the op, the group's name, a hash of its members (which of the groups of that name), the number on
-    that group and what this rank gave it (:func:`course_lib.ledgers.comm.given`), with how often the rank has begun
+    that group, its turn among the group's collectives (:attr:`course_lib.ledgers.comm.CommRecord.turn`) and what
+    this rank gave it (:func:`course_lib.ledgers.comm.given`), with how often the rank has begun
     and ended writing those (odd while it writes: :func:`collective_of`); since when it has been blocked in it
     (``time.monotonic()``; 0 when not blocked); and the training step it began last (-1 before the first;
     :func:`course_lib.runtime.launch.began_step`)."""
@@ -51,6 +52,7 @@ class RankStatus(ctypes.Structure):
         ("group", ctypes.c_char * 32),
         ("members", ctypes.c_int64),
         ("number", ctypes.c_long),
+        ("turn", ctypes.c_long),
         ("given", ctypes.c_char * STATUS_GIVEN_BYTES),
         ("blocked_since", ctypes.c_double),
         ("step", ctypes.c_long),
@@ -233,20 +235,15 @@ def _status_of(status, rank: int) -> str:
     return status[rank].text.decode(errors="replace") or "no collective yet"
 
 
-def collective_of(entry: RankStatus) -> tuple[int, bytes, int, str, str] | None:
-    """A rank's current (or last) collective, read whole from its status entry: (number on the group, group name,
-    hash of the members, op, what the rank gave it); None before its first and while the rank writes a new one, so
-    that no mix of two collectives is taken for one."""
+def collective_of(entry: RankStatus) -> tuple[int, str, int, int, str, str] | None:
+    """A rank's current (or last) collective, read whole from its status entry: (its turn on the group, the group's
+    name, a hash of its members, its number, op, what the rank gave it); None before the first, for a point-to-point
+    call (no turn) and while the rank writes a new one, so that no mix of two collectives is taken for one."""
     writes = entry.writes
-    if writes % 2 or not entry.number:
+    if writes % 2 or not entry.turn:
         return None
-    seen = (
-        entry.number,
-        entry.group,
-        entry.members,
-        entry.op.decode(errors="replace"),
-        entry.given.decode(errors="replace"),
-    )
+    op, given = entry.op.decode(errors="replace"), entry.given.decode(errors="replace")
+    seen = (entry.turn, entry.group.decode(errors="replace"), entry.members, entry.number, op, given)
     return seen if entry.writes == writes else None
 
 
@@ -348,12 +345,12 @@ def die_with_parent() -> None:
 def status_teller(mine: RankStatus) -> comm.StatusSink:
     """A :func:`course_lib.ledgers.comm.set_status_sink` sink that writes into this rank's shared status entry."""
 
-    def tell(text: str, where: comm.Collective, blocked: bool) -> None:
+    def tell(text: str, rec: comm.CommRecord, blocked: bool) -> None:
         mine.blocked_since = 0.0
         mine.text = text.encode()[: STATUS_TEXT_BYTES - 1]
         mine.writes += 1
-        mine.op, mine.group, mine.members = where.op.encode()[:15], where.group.encode()[:31], hash(where.members)
-        mine.number, mine.given = where.number, where.given.encode()[: STATUS_GIVEN_BYTES - 1]
+        mine.op, mine.group, mine.members = rec.op.encode()[:15], rec.group.encode()[:31], hash(rec.ranks)
+        mine.number, mine.turn, mine.given = rec.number, rec.turn, rec.given.encode()[: STATUS_GIVEN_BYTES - 1]
         mine.writes += 1
         mine.blocked_since = time.monotonic() if blocked else 0.0
 

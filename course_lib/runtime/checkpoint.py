@@ -16,7 +16,9 @@ dropout.
 **Atomic.** A checkpoint of the state after n steps is the folder ``step-<n>``: written into ``.step-<n>.partial``
 beside it, then ``meta.json`` (rank 0), then renamed. A crash before the rename leaves the previous checkpoints as
 they were and a ``.partial`` folder that nothing reads (the next save of that step clears it). The Llama 3 report
-(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be.
+(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be. So a failed
+run says which checkpoints are complete and which save was in flight (:func:`survey`, which the harness adds to the
+run's error), and a resume names the unfinished saves of later steps it skipped (:func:`skipped_saves`).
 
 **The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
 before its first step and saves after each optimizer step that :meth:`CheckpointPlan.due` names (a :class:`Saver`:

@@ -4,9 +4,10 @@ beside its prediction.
 
 :func:`run_scheme` runs in named phases: :func:`validate` (and :func:`check_cluster`) refuse impossible settings
 before any rank starts; :func:`wrap` wraps the scheme's rank function (a swapped component, checkpoints, a fault);
-:func:`launch_ranks` runs it and the reference; :func:`report_run` compares them; :func:`model_on_cluster` replays
-the last step on a modeled cluster. Its settings travel grouped: :class:`LaunchSettings`, :class:`FaultSettings`,
-:class:`CheckpointSettings`, :class:`ClusterSettings`.
+:func:`launch_ranks` runs it and the reference (a run that saves checkpoints and fails ends with what its checkpoint
+folder holds); :func:`report_run` compares them; :func:`model_on_cluster` replays the last step on a modeled
+cluster. Its settings travel grouped: :class:`LaunchSettings`, :class:`FaultSettings`, :class:`CheckpointSettings`,
+:class:`ClusterSettings`.
 
 A scheme lives in its own module of :mod:`course_lib.parallel`, which implements
 :class:`course_lib.parallel.interface.Scheme`: a rank function ``fn(cfg, train, **settings) -> dict`` with
@@ -17,10 +18,11 @@ dict of the last step) and ``coords``; and its checks and predictions. Nothing h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -226,7 +228,8 @@ def run_scheme(
     spec = validate(scheme, world_size, cfg, train, options)
     profile, resolved = check_cluster(cluster, world_size, spec.axes)
     rank_fn, plan = wrap(spec, world_size, cfg, train, options, faults, saving, ranks.in_process)
-    result, reference = launch_ranks(rank_fn, world_size, cfg, train, ranks, profile is not None, options)
+    with _checkpoints_listed_on_failure(plan):
+        result, reference = launch_ranks(rank_fn, world_size, cfg, train, ranks, profile is not None, options)
     report = report_run(spec, world_size, cfg, train, result, reference, plan, options, ranks)
     if not all(map(math.isfinite, report["losses"])):
         first = report["first_step"] + next(i for i, x in enumerate(report["losses"]) if not math.isfinite(x))
@@ -345,6 +348,22 @@ def _check_fault(
             "a hang in the checkpoint phase of an asynchronous checkpoint would stop only the thread that writes "
             "it, not the rank; hang a synchronous checkpoint, or another phase"
         )
+
+
+@contextlib.contextmanager
+def _checkpoints_listed_on_failure(plan: checkpoint.CheckpointPlan | None) -> Iterator[None]:
+    """A :class:`course_lib.runtime.launch.RankError` of a run that saves checkpoints ends with what its checkpoint
+    folder holds: the complete checkpoints, and the save in flight when the run failed
+    (:func:`course_lib.runtime.checkpoint.survey`)."""
+    if plan is None or plan.directory is None:
+        yield
+        return
+    before = checkpoint.unfinished(plan.directory)
+    try:
+        yield
+    except launch.RankError as error:
+        error.args = (f"{error}\n{checkpoint.survey(plan.directory, before)}",)
+        raise
 
 
 def launch_ranks(
@@ -471,11 +490,17 @@ def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:
 
 
 def _checkpoint_notes(plan: checkpoint.CheckpointPlan | None, result: launch.RunResult) -> dict:
-    """The report's ``resumed_from`` and ``checkpoints`` entries, when the run resumed or saved."""
+    """The report's ``resumed_from`` (with the unfinished saves of later steps the resume skipped) and
+    ``checkpoints`` entries, when the run resumed or saved."""
     notes: dict = {}
     if plan is not None and plan.resume is not None:
         saved = checkpoint.read_meta(plan.resume)
-        notes["resumed_from"] = {"path": plan.resume, "scheme": saved["scheme"], "world_size": saved["world_size"]}
+        notes["resumed_from"] = {
+            "path": plan.resume,
+            "scheme": saved["scheme"],
+            "world_size": saved["world_size"],
+            "skipped": list(plan.skipped),
+        }
     if plan is not None and plan.directory is not None:
         notes["checkpoints"] = {
             "directory": plan.directory,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -209,6 +210,32 @@ def test_a_dead_rank_or_an_interrupt_restarts_the_ranks(kernel):
     assert time.monotonic() - started < 5
     assert "the cell was interrupted\nThe 2 ranks were restarted: their variables are gone." in error, error
     assert kernel.ok("%%ranks\nrank") == "[rank 0]\nOut: 0\n[rank 1]\nOut: 1\ncomm: nothing communicated\n"
+
+
+def test_a_collective_given_other_shapes_is_named(kernel):
+    """The ranks' all-reduce of 2 and 3 elements: gloo fails it on one rank, which goes back to its loop, and leaves
+    the other waiting for ever. The cell ends after a second of that wait, not at its timeout (10 s), and its error
+    leads with the collective and what each rank sent (its number counts the earlier cells' collectives too)."""
+    started = time.monotonic()
+    out, error = kernel.run("%%ranks\ncomm.all_reduce(torch.ones(2 + rank))")
+    assert time.monotonic() - started < 5, "a collective the ranks disagree on ends the cell before its timeout"
+    assert re.search(
+        r"CellError: all_reduce #\d+ on group world: rank 0 sent float32 \[2\], rank 1 sent float32 \[3\]: the "
+        r"tensors must have the same shape and dtype on every rank\nthe cell stalled in a collective its ranks "
+        r"disagree on:\n",
+        error,
+    ), error
+    # gloo takes a broadcast into a larger tensor without a word: the cell's ledgers name it; the next cell's own
+    # error is not blamed on it
+    out, error = kernel.run("%%ranks\ncomm.broadcast(torch.ones(2 + rank), src=0)")
+    assert re.search(
+        r"CellError: broadcast #\d+ on group world: rank 0 sent float32 \[2\], rank 1 sent float32 \[3\]: the "
+        r"tensors must have the same shape and dtype on every rank\nThe cell ended without an error, but what that "
+        r"collective wrote is wrong on some rank.",
+        error,
+    ), error
+    out, error = kernel.run("%%ranks\nif rank == 1:\n    raise ValueError('unrelated')")
+    assert "ValueError: unrelated" in error and "sent float32" not in error, error
 
 
 def test_bad_input_is_a_usage_error_before_any_rank_starts(kernel):

@@ -81,9 +81,10 @@ def killed(tmp_path_factory):
     def get(scheme: str):
         if scheme not in folders:
             folder, world = tmp_path_factory.mktemp(f"killed-{scheme}"), LAYOUTS[scheme][0]
-            with pytest.raises(RankError, match=f"rank 1 of {world} was killed by signal SIGKILL during step 3"):
+            with pytest.raises(RankError, match=f"rank 1 of {world} was killed by signal SIGKILL during step 3") as err:
                 run_layout(scheme, checkpoint_dir=folder, checkpoint_every=2, fault=Fault(1, 3, "kill"))
             assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # saved after steps 0-1, not after step 3
+            assert str(err.value).endswith(f"\ncheckpoints in {folder}: step-2 (complete)"), str(err.value)
             folders[scheme] = folder
         return folders[scheme]
 
@@ -140,16 +141,20 @@ def test_resume_without_optimizer_state_would_differ(uninterrupted, killed):
 
 
 def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
-    with pytest.raises(RankError, match="rank 0 of 2 was killed by signal SIGKILL during step 3"):
+    with pytest.raises(RankError, match="rank 0 of 2 was killed by signal SIGKILL during step 3") as err:
         run_scheme(
             "zero3", 2, CFG, TRAIN, checkpoint_dir=tmp_path, checkpoint_every=2, fault=Fault(0, 3, "kill", "checkpoint")
         )
     partial = tmp_path / ".step-4.partial"
+    assert str(err.value).endswith(
+        f"\ncheckpoints in {tmp_path}: step-2 (complete); step-4 was being written ({partial}) when the run failed"
+    ), str(err.value)
     assert (partial / ".metadata").is_file() and not (partial / checkpoint.META).exists()  # shards written, no rename
     assert not (tmp_path / "step-4").exists() and checkpoint.find(tmp_path) == tmp_path / "step-2"
     with pytest.raises(ValueError, match="not a checkpoint"):
         checkpoint.read_meta(partial)
     resumed = run_scheme("zero3", 2, CFG, TRAIN, resume=tmp_path)
+    assert resumed.report["resumed_from"]["skipped"] == [str(partial)]
     assert resumed.report["losses"] == uninterrupted("zero3").report["losses"][2:]
     assert bitwise_equal(params(resumed), params(uninterrupted("zero3")))
 
@@ -158,7 +163,7 @@ def assert_trains_on_equal(resumed, path, scheme: str, world_size: int) -> None:
     """A resume from ``path`` (saved after 2 steps by ``scheme`` on ``world_size`` ranks) trained the 2 steps left
     within BOUND of one device."""
     report = resumed.report
-    assert report["resumed_from"] == {"path": str(path), "scheme": scheme, "world_size": world_size}
+    assert report["resumed_from"] == {"path": str(path), "scheme": scheme, "world_size": world_size, "skipped": []}
     assert len(report["losses"]) == 2 and report["max_abs_loss_diff"] < BOUND and report["max_abs_param_diff"] < BOUND
 
 
@@ -359,12 +364,56 @@ def test_a_killed_run_with_asynchronous_checkpoints_resumes_bitwise(six_steps, t
     assert bitwise_equal(params(resumed), params(six_steps))
 
 
-def test_a_rank_killed_while_its_background_write_ends_leaves_the_previous_checkpoint(tmp_path):
-    """A fault in the checkpoint phase fires in the writer thread, after the shards and before the rename."""
-    with pytest.raises(RankError, match="rank 0 of 2 was killed by signal SIGKILL"):
-        saved_in_background("zero3", tmp_path, fault=Fault(0, 3, "kill", "checkpoint"))
-    assert (tmp_path / ".step-4.partial" / ".metadata").is_file()
-    assert checkpoint.find(tmp_path) == tmp_path / "step-2"
+def test_a_rank_killed_while_its_background_write_ends_leaves_the_previous_checkpoint(tmp_path, capsys):
+    """Issue 36: the README's kill during an asynchronous save, as a user types it. A fault in the checkpoint phase
+    fires in the writer thread, after the shards and before the rename: the failure lists the complete checkpoint
+    and the save in flight, and the resume from the folder says which it took and which it skipped."""
+    common = ["run", "zero3", "--world-size", "2", "--steps", "4", "--dtype", "float64", "--layers", "1"]
+    folder = tmp_path / "out" / "ckpt"
+    saving = ["--checkpoint-dir", str(folder), "--checkpoint-every", "2", "--checkpoint-async"]
+    assert main([*common, *saving, "--kill-rank", "0", "--at-step", "3", "--fault-phase", "checkpoint"]) == 1
+    partial = folder / ".step-4.partial"
+    said = capsys.readouterr().err
+    assert "rank 0 of 2 was killed by signal SIGKILL" in said
+    assert said.endswith(
+        f"\ncheckpoints in {folder}: step-2 (complete); step-4 was being written ({partial}) when the run failed\n"
+    ), said
+    assert (partial / ".metadata").is_file() and checkpoint.find(folder) == folder / "step-2"
+    assert main([*common, "--resume", str(folder)]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"  resumed from {folder / 'step-2'} (step 2, saved by zero3 on 2); skipped {partial}: an unfinished save\n"
+        in said
+    )
+
+
+def test_a_failure_tells_the_save_in_flight_from_one_an_earlier_run_left(tmp_path):
+    """A run's unfinished save is one it made; an earlier run's, which it never rewrote, is named as such."""
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / checkpoint.META).write_text("{}")
+    (tmp_path / ".step-6.partial").mkdir()
+    before = checkpoint.unfinished(tmp_path)
+    (tmp_path / ".step-4.partial").mkdir()
+    assert checkpoint.survey(tmp_path, before) == (
+        f"checkpoints in {tmp_path}: step-2 (complete); step-4 was being written ({tmp_path / '.step-4.partial'}) "
+        f"when the run failed; step-6 is an unfinished save an earlier run left ({tmp_path / '.step-6.partial'})"
+    )
+    assert checkpoint.survey(tmp_path / "none", {}) == f"checkpoints in {tmp_path / 'none'}: no complete checkpoint"
+
+
+def test_auto_resume_with_only_an_unfinished_save_says_it_starts_over(tmp_path, capsys):
+    """A crash during the first save leaves no checkpoint: --auto-resume starts at step 0 and says what it skipped
+    (the run's own save of that step then replaces the unfinished one)."""
+    partial = tmp_path / ".step-2.partial"
+    partial.mkdir()
+    common = ["run", "dp", "--world-size", "1", "--steps", "2", "--layers", "1", "--dtype", "float64"]
+    assert main([*common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", "--auto-resume"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(
+        f"no complete checkpoint in {tmp_path} to resume from: starting at step 0; skipped {partial}: an unfinished "
+        "save\n"
+    ), said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
 
 
 def test_asynchronous_checkpoint_settings_that_cannot_work_are_refused(tmp_path, nothing_may_start):

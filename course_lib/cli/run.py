@@ -220,7 +220,14 @@ def _resume(args) -> str | None:
     from course_lib.runtime import checkpoint
 
     newest = checkpoint.latest(args.checkpoint_dir)
+    if newest is None and (left := checkpoint.unfinished(args.checkpoint_dir)):
+        say(args, f"no complete checkpoint in {args.checkpoint_dir} to resume from: starting at step 0{_skipped(left)}")
     return None if newest is None else str(newest)
+
+
+def _skipped(saves) -> str:
+    """``; skipped <folder>: an unfinished save`` for each of ``saves``: what a resume left behind."""
+    return "".join(f"; skipped {path}: an unfinished save" for path in saves)
 
 
 def _loss_scale(text: str) -> str | float | None:
@@ -342,7 +349,8 @@ def _say_checkpoints(args, report: dict) -> None:
 
     if "resumed_from" in report:
         r = report["resumed_from"]
-        say(args, f"  resumed from {r['path']} ({r['scheme']} on {r['world_size']}) at step {report['first_step']}")
+        saved = f"step {report['first_step']}, saved by {r['scheme']} on {r['world_size']}"
+        say(args, f"  resumed from {r['path']} ({saved}){_skipped(r['skipped'])}")
     if "checkpoints" in report:
         c = report["checkpoints"]
         how = "in the background" if c["asynchronous"] else "while training waits"

@@ -74,16 +74,28 @@ class CommRecord:
     peer: int | None = None
     tags: dict = field(default_factory=dict)
     through_host: bool = False  # its tensors were copied to host memory and back (see the module's docstring)
+    number: int = 0  # its number among this rank's calls on the group (of this name), from 1
+    # Its number among this rank's collectives on the group, point-to-point calls not counted (0 for send and recv):
+    # every member of a group calls the group's collectives in one order, so one turn on two members is one
+    # collective, where their numbers may differ (a pipeline's middle stage sends and receives twice as often).
+    turn: int = 0
+    given: str = ""  # what this rank gave it that every member must give alike (:func:`given`)
 
 
-# told (what, group name, the collective's number on that group, whether the rank is now blocked in it)
-StatusSink = Callable[[str, str, int, bool], None]
+# Ops whose tensors every rank of the group must give alike: the same dtype and shape (all_to_all: the same dtype
+# and row shape; its rows may be split unevenly). send and recv pair with a peer, not with the group.
+_ALIKE_ON_EVERY_RANK = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
+
+
+# told (what the rank does, in words; the collective's record; whether the rank is now blocked in it)
+StatusSink = Callable[[str, CommRecord, bool], None]
 
 
 class _Ledger:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
         self.calls: dict[str, int] = {}  # collectives this rank has issued on each group, by the group's name
+        self.turns: dict[str, int] = {}  # the same without the point-to-point calls (CommRecord.turn)
         self.status_sink: StatusSink | None = None
 
 
@@ -96,6 +108,7 @@ def reset() -> None:
     """Forget this rank's records (the launcher calls it when a rank starts)."""
     _LEDGER.records = []
     _LEDGER.calls = {}
+    _LEDGER.turns = {}
 
 
 def records() -> list[CommRecord]:
@@ -104,8 +117,9 @@ def records() -> list[CommRecord]:
 
 
 def set_status_sink(sink: StatusSink | None) -> None:
-    """Have ``sink`` told which collective this rank enters, waits for and leaves: in words, with its group, its
-    number on that group and whether the rank is blocked in it (the launcher's hang watchdog and report)."""
+    """Have ``sink`` told which collective this rank enters, waits for and leaves: in words, with its
+    :class:`CommRecord` (op, group, members, number, turn, what the rank gave) and whether the rank is blocked in
+    it (the launcher's hang watchdog and its reports, which compare what the ranks gave one collective)."""
     _LEDGER.status_sink = sink
 
 
@@ -128,15 +142,27 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def given(op: str, tensors: Sequence[torch.Tensor]) -> str:
+    """What a rank gives ``op`` that every rank of the group must give alike, in words: the dtype and shape of the
+    tensor it sends (the last of ``tensors``: the input of reduce_scatter, all_gather and all_to_all), with ``*``
+    for all_to_all's rows; ``""`` for barrier and for the point-to-point ops, whose peers need not match."""
+    if op not in _ALIKE_ON_EVERY_RANK or not tensors:
+        return ""
+    sent = tensors[-1]
+    shape = [str(size) for size in sent.shape]
+    if op == "all_to_all" and shape:
+        shape[0] = "*"
+    return f"{str(sent.dtype).removeprefix('torch.')} [{', '.join(shape)}]"
+
+
 class Handle:
     """An async collective in flight; :meth:`wait` blocks until it is done, copies back what went through host
     memory and closes its ledger record."""
 
-    def __init__(self, work, record: CommRecord, index: int, number: int, describe: str, copy_back) -> None:
+    def __init__(self, work, record: CommRecord, index: int, describe: str, copy_back) -> None:
         self._work = work
         self._record = record
         self._index = index
-        self._number = number
         self._describe = describe
         self._copy_back = copy_back
         self._done = False
@@ -145,10 +171,10 @@ class Handle:
         if self._done:
             return
         trace.waiting(self._index)
-        _tell(f"waiting for {self._describe}", self._record.group, self._number, blocked=True)
+        _tell(f"waiting for {self._describe}", self._record, blocked=True)
         self._work.wait()
         self._copy_back()
-        _finish(self._record, self._number, self._describe)
+        _finish(self._record, self._describe)
         self._done = True
 
 
@@ -183,15 +209,15 @@ def _staged(
     return copies, copy_back
 
 
-def _tell(status: str, group: str, number: int, blocked: bool) -> None:
+def _tell(status: str, rec: CommRecord, blocked: bool) -> None:
     if _LEDGER.status_sink is not None:
-        _LEDGER.status_sink(status, group, number, blocked)
+        _LEDGER.status_sink(status, rec, blocked)
 
 
-def _finish(rec: CommRecord, number: int, describe: str) -> None:
+def _finish(rec: CommRecord, describe: str) -> None:
     rec.end = trace.now()
     trace.record("comm", rec.op, rec.start, rec.end, rec.tags, group=rec.group, bytes=rec.sent_bytes)
-    _tell(f"finished {describe}", rec.group, number, blocked=False)
+    _tell(f"finished {describe}", rec, blocked=False)
 
 
 def _call(
@@ -213,9 +239,14 @@ def _call(
         members = range(dist.get_world_size())
     else:
         members = _GROUP_RANKS.get(group) or dist.get_process_group_ranks(group)
+    name = group_name(group)
+    number = _LEDGER.calls[name] = _LEDGER.calls.get(name, 0) + 1
+    turn = 0 if peer is not None else _LEDGER.turns.get(name, 0) + 1
+    if turn:
+        _LEDGER.turns[name] = turn
     rec = CommRecord(
         op=op,
-        group=group_name(group),
+        group=name,
         group_size=n,
         ranks=tuple(members),
         tensor_bytes=tensor_bytes,
@@ -226,22 +257,24 @@ def _call(
         peer=peer,
         tags=trace.current_tags(),
         through_host=run_on is not tensors,
+        number=number,
+        turn=turn,
+        given=given(op, tensors),
     )
     _LEDGER.records.append(rec)
     index = len(_LEDGER.records) - 1
-    number = _LEDGER.calls[rec.group] = _LEDGER.calls.get(rec.group, 0) + 1
     where = f" with rank {peer}" if peer is not None else ""
     describe = f"{op} #{number} on {rec.group}{where} ({tensor_bytes} B, tags {rec.tags})"
     trace.issued(index)
     if not async_op:
         trace.waiting(index)
-    _tell(f"in {describe}", rec.group, number, blocked=not async_op)
+    _tell(f"in {describe}", rec, blocked=not async_op)
     work = issue(*run_on)
     if async_op:
-        _tell(f"issued {describe}", rec.group, number, blocked=False)
-        return Handle(work, rec, index, number, describe, copy_back)
+        _tell(f"issued {describe}", rec, blocked=False)
+        return Handle(work, rec, index, describe, copy_back)
     copy_back()
-    _finish(rec, number, describe)
+    _finish(rec, describe)
     return None
 
 

@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib.ledgers import comm
-from course_lib.runtime import launch
+from course_lib.runtime import failures, launch
 from course_lib.runtime.forkserver import RANK_NAME, context
 from course_lib.runtime.ranks import (
     RankState,
+    collective_of,
     cores,
     describe_exit,
     die_with_parent,
@@ -201,6 +202,7 @@ class Ranks:
         self._ranks: list[RankState] = []
         self._store_path = ""
         self._status = None
+        self._asked_at: list[tuple | None] = []  # each rank's collective when the last request was sent
         self.start()
 
     def start(self) -> None:
@@ -243,6 +245,7 @@ class Ranks:
         """Send one request to ``ranks`` and return their answers; a rank that dies, a request that outlives
         ``timeout`` or an interrupt (Jupyter's stop button) restarts all ranks, so that no late answer is taken for
         the next request's, and raises :class:`CellError` saying where each rank was."""
+        self._asked_at = [collective_of(entry) for entry in self._status]
         for r in ranks:
             with contextlib.suppress(OSError):  # a rank that died since the last request: _collect reports it
                 self._ranks[r].conn.send((kind, body))
@@ -254,15 +257,18 @@ class Ranks:
             raise CellError(f"{what}\nThe {self.world_size} ranks were restarted: their variables are gone.") from None
 
     def _collect(self, ranks, timeout: float) -> dict[int, tuple[str, object]]:
-        """Each of ``ranks``'s answer; :class:`CellError` at the timeout or when one of them dies."""
+        """Each of ``ranks``'s answer; :class:`CellError` at the timeout, when one of them dies, or once one has
+        waited ``launch.STALL_CONFIRM_S`` in a collective that the ranks gave different tensors (it never ends)."""
         answers, pending, deadline = {}, set(ranks), time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CellError(self._where(pending, {}, f"did not finish within timeout={timeout:g} s"))
             sentinels = {self._ranks[r].process.sentinel: r for r in pending}
-            wait([self._ranks[r].conn for r in pending] + list(sentinels), timeout=left)
+            wait([self._ranks[r].conn for r in pending] + list(sentinels), timeout=min(left, launch.POLL_S))
             self._receive(pending, answers)
+            if self._stuck_in_a_mismatch(pending):
+                raise CellError(self._where(pending, {}, "stalled in a collective its ranks disagree on"))
             dead = {r: describe_exit(self._ranks[r].process.exitcode) for r in pending if self._dead(r)}
             if dead:
                 time.sleep(0.1)  # let the answers already on their way arrive, then say where everyone was
@@ -286,11 +292,31 @@ class Ranks:
         return True
 
     def _where(self, pending: set[int], dead: dict[int, str], what: str) -> str:
-        """``what`` happened, then one line per rank: finished, dead, or where it was (the launcher's words)."""
+        """``what`` happened, then one line per rank: finished, dead, or where it was (the launcher's words); first
+        the collective the ranks disagreed on in this request, if they did."""
         held_up_by = laggards(self._ranks, pending - set(dead), self._status)
         lines = rank_lines(self._ranks, pending, self._status, held_up_by)
         lines = [f"  rank {r}: {dead[r]}" if r in dead else line for r, line in enumerate(lines)]
-        return "\n".join([f"the cell {what}:", *lines])
+        return self._leading_with_mismatch("\n".join([f"the cell {what}:", *lines]))
+
+    def _stuck_in_a_mismatch(self, pending: set[int]) -> bool:
+        """Whether a rank of ``pending`` has waited ``launch.STALL_CONFIRM_S`` in a collective while the ranks
+        disagree on one in this request (:meth:`_entered`)."""
+        since = [self._status[r].blocked_since for r in pending if self._status[r].blocked_since]
+        if not since or time.monotonic() - min(since) < launch.STALL_CONFIRM_S:
+            return False
+        return failures.mismatch(self._status, self._entered()) is not None
+
+    def _leading_with_mismatch(self, message: str) -> str:
+        """``message``, after the collective the ranks gave different tensors in this request, if they did
+        (:func:`course_lib.runtime.failures.mismatch` among :meth:`_entered`)."""
+        return failures.leading_with_mismatch(message, self._status, self._entered())
+
+    def _entered(self) -> set[int]:
+        """The ranks that entered a collective since the last request was sent: a rank's status otherwise still
+        holds a collective of an earlier cell."""
+        asked_at = self._asked_at or [None] * self.world_size  # nothing asked yet: the ranks are starting
+        return {r for r, entry in enumerate(self._status) if collective_of(entry) != asked_at[r]}
 
     def run_cell(self, code: str, ranks: tuple[int, ...], timeout: float) -> Cell:
         """Run ``code`` on ``ranks``, show each rank's output, value and figures, and return the cell's ledger."""
@@ -304,7 +330,11 @@ class Ranks:
         print(ledger_line(cell.records))
         errors = {r: reply.error for r, reply in replies.items() if reply.error}
         if errors:
-            raise CellError("\n".join(f"{label} raised:\n{text}" for label, text in _grouped(errors)).rstrip())
+            said = "\n".join(f"{label} raised:\n{text}" for label, text in _grouped(errors)).rstrip()
+            raise CellError(self._leading_with_mismatch(said))
+        disagreed = failures.ledger_mismatch(cell.records, "cell")
+        if disagreed is not None:
+            raise CellError(disagreed)
         return cell
 
     def get(self, name: str, timeout: float) -> list:

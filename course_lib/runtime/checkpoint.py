@@ -16,7 +16,9 @@ dropout.
 **Atomic.** A checkpoint of the state after n steps is the folder ``step-<n>``: written into ``.step-<n>.partial``
 beside it, then ``meta.json`` (rank 0), then renamed. A crash before the rename leaves the previous checkpoints as
 they were and a ``.partial`` folder that nothing reads (the next save of that step clears it). The Llama 3 report
-(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be.
+(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be. So a failed
+run says which checkpoints are complete and which save was in flight (:func:`survey`, which the harness adds to the
+run's error), and a resume names the unfinished saves of later steps it skipped (:func:`skipped_saves`).
 
 **The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
 before its first step and saves after each optimizer step that :meth:`CheckpointPlan.due` names (a :class:`Saver`:
@@ -28,6 +30,7 @@ with :func:`plan_for`, which refuses a bad resume before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -51,6 +54,7 @@ FORMAT = "course_lib.runtime.checkpoint/2"  # 2: tensors in their one-device sha
 META = "meta.json"
 TRAIN_FIELDS = ("batch", "lr", "weight_decay", "adam_eps", "seed", "dtype")  # all of TrainConfig that the path needs
 _STEP_DIR = re.compile(r"step-(\d+)")
+_PARTIAL_DIR = re.compile(r"\.step-(\d+)\.partial")
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -66,6 +70,7 @@ class CheckpointPlan:
     resume: str | None = None
     start: int = 0  # the first step to run: the resumed checkpoint's step
     asynchronous: bool = False  # write in the background (:class:`Saver`)
+    skipped: tuple[str, ...] = ()  # unfinished saves of later steps beside ``resume`` (:func:`skipped_saves`)
 
     def due(self, step: int) -> bool:
         """Save after step ``step`` (from 0)? After every ``every``-th optimizer step: (step + 1) % every == 0."""
@@ -329,13 +334,56 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (``step-<n>`` with the largest n) in ``directory``, or None."""
+def _entries(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """The entries of ``directory`` whose names ``pattern`` matches, with the step in their name, oldest first."""
     found = []
     for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
-        if (m := _STEP_DIR.fullmatch(entry.name)) and (entry / META).is_file():
+        if m := pattern.fullmatch(entry.name):
             found.append((int(m.group(1)), entry))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def complete(directory: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints (``step-<n>`` folders with their ``meta.json``) in ``directory``, oldest first."""
+    return [entry for _, entry in _entries(directory, _STEP_DIR) if (entry / META).is_file()]
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint (``step-<n>`` with the largest n) in ``directory``, or None."""
+    found = complete(directory)
+    return found[-1] if found else None
+
+
+def unfinished(directory: str | os.PathLike) -> dict[Path, tuple[int, int]]:
+    """The saves in ``directory`` that never finished (``.step-<n>.partial`` folders, oldest first), each with its
+    inode and modification time: a save of that step makes the folder anew, which is how :func:`survey` tells the
+    save a run had in flight from one an earlier run left."""
+    found = {}
+    for _, entry in _entries(directory, _PARTIAL_DIR):
+        with contextlib.suppress(OSError):  # removed since it was listed
+            stat = entry.stat()
+            found[entry] = (stat.st_ino, stat.st_mtime_ns)
+    return found
+
+
+def survey(directory: str | os.PathLike, before: dict[Path, tuple[int, int]]) -> str:
+    """What the checkpoint folder ``directory`` holds after a run failed, in words: its complete checkpoints, the
+    save the run had in flight and any unfinished save an earlier run left (``before``: :func:`unfinished` as the
+    run began)."""
+    said = [f"{entry.name} (complete)" for entry in complete(directory)] or ["no complete checkpoint"]
+    for path, mark in unfinished(directory).items():
+        step = _PARTIAL_DIR.fullmatch(path.name).group(1)
+        if before.get(path) == mark:
+            said.append(f"step-{step} is an unfinished save an earlier run left ({path})")
+        else:
+            said.append(f"step-{step} was being written ({path}) when the run failed")
+    return f"checkpoints in {directory}: {'; '.join(said)}"
+
+
+def skipped_saves(path: str | os.PathLike, step: int) -> list[Path]:
+    """The unfinished saves beside the checkpoint folder ``path`` (of ``step``) of later steps: what a resume from it
+    leaves behind."""
+    return [entry for n, entry in _entries(Path(path).parent, _PARTIAL_DIR) if n > step]
 
 
 def find(path: str | os.PathLike) -> Path:
@@ -347,9 +395,10 @@ def find(path: str | os.PathLike) -> Path:
         return path
     newest = latest(path)
     if newest is None:
+        left = ", ".join(str(entry) for entry in unfinished(path))
         raise ValueError(
             f"cannot resume from {path}: it is not a checkpoint and holds none (no step-<n> folder with {META}; "
-            f"a save that crashed leaves only .step-<n>.partial)"
+            + (f"only unfinished saves: {left})" if left else "a save that crashed leaves only .step-<n>.partial)")
         )
     return newest
 
@@ -439,6 +488,7 @@ def plan_for(
             f"cannot resume from {path}: it holds the state after {saved['step']} steps, and this run has "
             f"{train.steps}, so nothing is left to train; ask for more than {saved['step']} steps"
         )
+    skipped = tuple(str(entry) for entry in skipped_saves(path, saved["step"]))
     return CheckpointPlan(
-        meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous
+        meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous, skipped
     )

@@ -2,7 +2,10 @@
 which ranks a timeout caught, and where the ranks holding a run up were (their Python stacks, from ``faulthandler``).
 
 Each message names every rank and what it was doing (:func:`course_lib.runtime.ranks.rank_lines`) and says what to
-change; :func:`course_lib.runtime.launch.run` raises them as a :class:`course_lib.runtime.launch.RankError`.
+change; :func:`course_lib.runtime.launch.run` raises them as a :class:`course_lib.runtime.launch.RankError`. Where the
+ranks of one collective gave it tensors of different shapes or dtypes, or called different collectives, the message
+leads with that (:func:`mismatch`): gloo's own words for it are a closed connection, an abort or nothing at all, and
+NCCL hangs.
 """
 
 from __future__ import annotations
@@ -14,11 +17,78 @@ import time
 
 import cloudpickle
 
-from course_lib.runtime.ranks import RankState, laggards, last_seen, process_state, rank_lines
+from course_lib.ledgers.comm import CommRecord
+from course_lib.runtime.ranks import RankState, collective_of, laggards, last_seen, process_state, rank_lines
 
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler), when it holds a run up
 STACK_LINES = 8  # innermost frames per thread shown
 _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+# A collective as the checks below compare it: (turn, group name, members) -> {rank: (op, given, number)}
+_Calls = dict[tuple, dict[int, tuple[str, str, int]]]
+
+
+def mismatch(status, among: set[int] | None = None) -> str | None:
+    """The first collective whose ranks (of ``among``, default all) gave it different tensors or called different
+    ops at its turn, named with what each rank gave, from the ranks' status (each rank's current or last collective,
+    :func:`course_lib.runtime.ranks.collective_of`); None where they agree. Point-to-point calls pair a rank with its
+    peer, not with its group, and are left out."""
+    calls: _Calls = {}
+    for r, entry in enumerate(status):
+        seen = collective_of(entry) if among is None or r in among else None
+        if seen is not None:
+            turn, group, members, number, op, given = seen
+            calls.setdefault((turn, group, members), {})[r] = (op, given, number)
+    return _first_disagreement(calls)
+
+
+def ledger_mismatch(records: dict[int, list[CommRecord]], what: str) -> str | None:
+    """:func:`mismatch` over every collective of the ranks' ledgers (``{rank: its records}``) of a ``what`` (a run, a
+    cell) that ended without an error, and what that means; None where they agree. gloo runs some such collectives
+    without a word: a broadcast into a larger tensor, an all_gather of other shapes on the rank that receives less."""
+    calls: _Calls = {}
+    for r, recs in records.items():
+        for rec in recs:
+            if rec.turn:
+                calls.setdefault((rec.turn, rec.group, rec.ranks), {})[r] = (rec.op, rec.given, rec.number)
+    disagreed = _first_disagreement(calls)
+    if disagreed is None:
+        return None
+    return f"{disagreed}\nThe {what} ended without an error, but what that collective wrote is wrong on some rank."
+
+
+def _first_disagreement(calls: _Calls) -> str | None:
+    """The first collective, by turn, at which the ranks called different ops or gave different tensors, in words
+    (its number as its lowest rank counts it)."""
+    for (_, group, _), by_rank in sorted(calls.items(), key=lambda item: item[0][:2]):
+        alike: dict[tuple[str, str], list[int]] = {}
+        for r, (op, given, _) in sorted(by_rank.items()):
+            alike.setdefault((op, given), []).append(r)
+        if len(alike) < 2:
+            continue
+        ops, number = {op for op, _ in alike}, by_rank[min(by_rank)][2]
+        if len(ops) > 1:
+            said = ", ".join(f"{_ranks(rs)} called {op} ({what or 'no tensor'})" for (op, what), rs in alike.items())
+            return (
+                f"collective #{number} on group {group}: {said}: every rank of a group must call the same collectives "
+                "in turn"
+            )
+        op = ops.pop()
+        said = ", ".join(f"{_ranks(rs)} sent {what}" for (_, what), rs in alike.items())
+        alike_in = "dtype and row shape" if op == "all_to_all" else "shape and dtype"
+        return f"{op} #{number} on group {group}: {said}: the tensors must have the same {alike_in} on every rank"
+    return None
+
+
+def leading_with_mismatch(message: str, status, among: set[int] | None = None) -> str:
+    """``message``, after the collective the ranks disagreed on if they did (:func:`mismatch`)."""
+    disagreed = mismatch(status, among)
+    return message if disagreed is None else f"{disagreed}\n{message}"
 
 
 def _is_comm_error(state: RankState) -> bool:
@@ -26,8 +96,9 @@ def _is_comm_error(state: RankState) -> bool:
 
 
 def failure(ranks: list[RankState], status) -> tuple[str, BaseException | None]:
-    """Pick the root cause (a rank's own exception over a peer's broken connection) and describe every rank: the
-    message, and the root cause's own exception when it raised one that unpickles."""
+    """Pick the root cause (a rank's own exception over a peer's broken connection) and describe every rank, after
+    the collective they disagreed on if they did (:func:`mismatch`): the message, and the root cause's own exception
+    when it raised one that unpickles."""
     n = len(ranks)
     order = sorted(
         (r for r, s in enumerate(ranks) if s.error or s.exit_note),
@@ -58,27 +129,35 @@ def failure(ranks: list[RankState], status) -> tuple[str, BaseException | None]:
     if pickled is not None:
         with contextlib.suppress(Exception):
             cause = cloudpickle.loads(pickled)
-    return head + ("\nother ranks:\n  " + "\n  ".join(others) if others else ""), cause
+    return leading_with_mismatch(head + ("\nother ranks:\n  " + "\n  ".join(others) if others else ""), status), cause
 
 
 def stall_message(ranks: list[RankState], pending: set[int], stall_timeout: float, status) -> str | None:
     """None while the run makes progress; the stall described once a rank has been blocked in a collective for
-    ``stall_timeout`` seconds and some other rank is to blame for it."""
+    ``stall_timeout`` seconds and some other rank is to blame for it, or the ranks in it gave it tensors that
+    disagree (NCCL waits on such a collective for ever)."""
     now = time.monotonic()
     stuck = sorted(r for r in pending if status[r].blocked_since and now - status[r].blocked_since > stall_timeout)
     if not stuck:
         return None
     held_up_by = laggards(ranks, pending, status)
-    if not held_up_by:
+    disagreed = mismatch(status)
+    if not held_up_by and disagreed is None:
         return None  # every rank is in the same collective: a slow transfer, which the whole-run timeout bounds
     names = ", ".join(str(r) for r in sorted(held_up_by))
     lines = [
         f"rank{'s' * (len(held_up_by) > 1)} {names} of {len(ranks)} held the run up: ranks {stuck} waited over "
-        f"{stall_timeout:g} s in a collective that rank{'s' * (len(held_up_by) > 1)} {names} did not reach:",
+        f"{stall_timeout:g} s in a collective that rank{'s' * (len(held_up_by) > 1)} {names} did not reach:"
+        if held_up_by
+        else f"ranks {stuck} of {len(ranks)} waited over {stall_timeout:g} s in a collective they disagree on:",
         *rank_lines(ranks, pending, status, held_up_by),
-        "If a rank is only slow (a long computation between collectives), raise the stall timeout: stall_timeout= "
-        "in launch.run and run_scheme, --stall-timeout on the command line.",
     ]
+    if disagreed is not None:
+        return "\n".join([disagreed, *lines])
+    lines.append(
+        "If a rank is only slow (a long computation between collectives), raise the stall timeout: stall_timeout= "
+        "in launch.run and run_scheme, --stall-timeout on the command line."
+    )
     return "\n".join(lines)
 
 
@@ -93,7 +172,7 @@ def timeout_message(ranks: list[RankState], pending: set[int], timeout: float, s
         "If the work is simply slow, allow it more time: timeout= in launch.run and run_scheme, --timeout on the "
         "command line."
     )
-    return "\n".join(lines)
+    return leading_with_mismatch("\n".join(lines), status)
 
 
 def stack_path(store_path: str, rank: int) -> str:

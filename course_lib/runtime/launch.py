@@ -52,6 +52,7 @@ from course_lib.runtime.ranks import (
     PipeWriter,
     RankState,
     RankStatus,
+    available_memory,
     cores,
     describe_exit,
     die_with_parent,
@@ -188,24 +189,35 @@ RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages 
 
 def max_local_ranks() -> int:
     """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
-    the available memory fits at :data:`RANK_MEMORY_BYTES` each."""
+    the memory available to this process fits at :data:`RANK_MEMORY_BYTES` each
+    (:func:`course_lib.runtime.ranks.available_memory`: page cache counts as available, a cgroup's limit as a limit)."""
     by_cores = max(8, 4 * cores())
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
-        return by_cores
-    return max(1, min(by_cores, available // RANK_MEMORY_BYTES))
+    available = available_memory()
+    return by_cores if available is None else max(1, min(by_cores, available // RANK_MEMORY_BYTES))
 
 
 def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
-    """Refuse more local CPU ranks than this machine holds (``max_ranks``, default :func:`max_local_ranks`): a typo
-    must not fork a thousand processes. Under torchrun, torchrun decides how many processes there are."""
-    limit = max_local_ranks() if max_ranks is None else max_ranks
-    if world_size > limit and not under_torchrun():
+    """Refuse more local CPU ranks than this machine holds (:func:`max_local_ranks`), or than ``max_ranks`` where the
+    user set that limit: a typo must not fork a thousand processes. Under torchrun, torchrun decides how many
+    processes there are."""
+    if under_torchrun():
+        return
+    if max_ranks is not None:
+        if world_size > max_ranks:
+            raise ValueError(
+                f"world size {world_size} is more ranks than your limit allows (max_ranks={max_ranks}, "
+                f"--max-ranks {max_ranks} on the command line): use fewer ranks, or raise the limit."
+            )
+        return
+    limit = max_local_ranks()
+    if world_size > limit:
+        available = available_memory()
+        memory = "" if available is None else f"{available / 2**30:.1f} GiB available, "
         raise ValueError(
-            f"world size {world_size} is more ranks than this machine holds ({limit}: four per core, at least 8, "
-            f"within the free memory at ~{RANK_MEMORY_BYTES // 2**20} MB a rank). Use fewer ranks, or raise the "
-            "limit if you know better (max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
+            f"world size {world_size} is more ranks than this machine holds ({limit}: four per core on {cores()} "
+            f"core{'s' * (cores() != 1)}, at least 8, within the memory available to this process ({memory}"
+            f"~{RANK_MEMORY_BYTES // 2**20} MB a rank)). Use fewer ranks, or raise the limit if you know better "
+            "(max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
         )
 
 
@@ -282,6 +294,14 @@ def _call(fn, args, kwargs, count_flops: bool):
         return fn(*args, **kwargs)
 
 
+def _refuse_a_mismatch(records) -> None:
+    """A :class:`RankError` for a run that ended without an error although its ranks gave a collective different
+    tensors (:func:`course_lib.runtime.failures.ledger_mismatch`): its results are wrong."""
+    disagreed = failures.ledger_mismatch(dict(enumerate(records)), "run")
+    if disagreed is not None:
+        raise RankError(disagreed)
+
+
 def _ledgers(value) -> tuple:
     """What a rank sends back: its value, comm records, timeline events and program."""
     return value, comm.records(), trace.events(), trace.program()
@@ -331,6 +351,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, count_fl
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, _ledgers(value))
     values, records, events, programs = (list(x) for x in zip(*gathered, strict=True))
+    _refuse_a_mismatch(records)
     return RunResult(values, records, events, programs, backend, time.perf_counter() - started, placed)
 
 
@@ -408,6 +429,7 @@ def _run_local(fn, world_size, args, kwargs, backend, placed: str, limits: _Limi
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     values, records, events, programs = zip(*(cloudpickle.loads(r.result[0]) for r in ranks), strict=True)
+    _refuse_a_mismatch(records)
     wall_s = time.perf_counter() - epoch
     return RunResult(list(values), list(records), list(events), list(programs), backend, wall_s, placed)
 

@@ -94,3 +94,17 @@ def test_the_measured_bubble_is_each_ranks_idle_share_of_the_makespan():
     assert bubble_fraction(ranks, 1) == pytest.approx(1 - 6 / 10)
     with pytest.raises(ValueError, match="no forward or backward pass was recorded in step 7"):
         bubble_fraction(ranks, 7)
+
+
+def test_every_schemes_settings_read_in_words():
+    """What ``run`` prints under its first line, for every scheme with its defaults: each setting said, none as a
+    Python repr (True, None) and none left out unless it says nothing (the memory meter, the tiny GPT's model)."""
+    from course_lib.cli.echo import WORDS
+    from course_lib.harness import SCHEMES
+
+    for name, spec in SCHEMES.items():
+        settings = spec.settings({})
+        line = settings_line(name, settings)
+        assert line.startswith(f"  {name}: ") and "True" not in line and "False" not in line and "None" not in line
+        said = [k for k in settings if k not in WORDS or WORDS[k](settings[k]) is not None]
+        assert line.count(",") == max(len(said) - 1, 0), (name, line)

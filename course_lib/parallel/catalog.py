@@ -2,9 +2,9 @@
 (:class:`~course_lib.parallel.interface.Option`), in the registry's order, and the second names.
 
 A scheme module imports torch, and ``python -m course_lib run --help`` (or a typo) must answer before torch is
-imported, so the command line reads its flags here. The registry (:mod:`course_lib.harness`) is the truth:
-:func:`check` runs as the harness imports the schemes and refuses to go on if this catalog says anything else, so
-a scheme's new option fails at once, naming the line to add here.
+imported, so the command line reads its flags here. Each option is defined here once and the scheme modules take
+it from here; :func:`check` runs as the harness imports the schemes and refuses to go on if a scheme's names, axes
+or options differ from its card, so a scheme's new option fails at once, naming the line to add here.
 """
 
 from __future__ import annotations

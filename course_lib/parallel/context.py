@@ -51,8 +51,9 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
 from course_lib.model.gpt import TinyGPT, count_params, final_params, make_optimizer
+from course_lib.parallel.catalog import KV
 from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 from course_lib.parallel.tensor import TensorParallelGPT
 from course_lib.parallel.tensor_mappings import all_gather_along, ring_peer
 from course_lib.runtime import launch
@@ -306,14 +307,6 @@ def train_context_parallel(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-KV = Option(
-    "kv",
-    "how K and V reach every rank: ring (send/recv around the ring, default) or all-gather (Llama 3)",
-    str,
-    choices=tuple(ATTENTION),
-)
-
-
 def check_context_parallel(cfg: GPTConfig, cp: int, kv: str) -> None:
     """Refuse a group that cannot split the sequence into 2 x cp equal chunks, and an unknown ``kv``."""
     if kv not in ATTENTION:

@@ -37,11 +37,11 @@ from course_lib.model.gpt import (
     build_model,
     count_params,
     final_params,
-    load_factory,
     make_optimizer,
     synthetic_tokens,
 )
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.catalog import BUCKET_MB, GRAD_ACCUM, MODEL, ONE_BUCKET, OVERLAP, PER_PARAMETER
+from course_lib.parallel.interface import Scheme
 from course_lib.runtime import checkpoint, faults, launch
 
 
@@ -427,19 +427,6 @@ def train_data_parallel(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-BUCKET_MB = Option("bucket_mb", "gradient bucket size in MB (default 0.1)", float)
-ONE_BUCKET = Option("bucket_mb", "all gradients in one bucket", flag="--one-bucket", value=None)
-PER_PARAMETER = Option("per_parameter", "one all-reduce per gradient (with --no-overlap: the naive scheme)")
-OVERLAP = Option("overlap", "communicate after backward, not during it", flag="--no-overlap", value=False)
-GRAD_ACCUM = Option("grad_accum", "micro-batches per step, their gradients synced once (default 1)", int)
-MODEL = Option(
-    "model",
-    "train your own model instead of the tiny GPT: FILE.py:NAME or package.module:NAME, a function returning an "
-    "nn.Module whose forward(tokens, targets) returns the mean loss",
-    load_factory,
-)
-
-
 def check_batch_split(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
     """Every rank needs an equal share of the batch, in ``grad_accum`` equal micro-batches, and buckets a size."""
     bucket_mb, accum = o.get("bucket_mb"), o["grad_accum"]

@@ -35,6 +35,7 @@ from course_lib.ledgers.memory import resize_storage
 from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import ModelFactory, TinyGPT, build_model, count_params, optimizer_settings
+from course_lib.parallel.catalog import RESHARD
 from course_lib.parallel.data import (
     GRAD_ACCUM,
     MODEL,
@@ -49,7 +50,7 @@ from course_lib.parallel.data import (
     split_like,
     train_loop,
 )
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 from course_lib.parallel.zero import FlatShard
 from course_lib.runtime import launch
 
@@ -362,11 +363,6 @@ def train_fsdp(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-RESHARD = Option(
-    "reshard_after_forward", "keep gathered parameters from forward to backward", flag="--no-reshard", value=False
-)
-
-
 def unit_sizes(model: nn.Module, n: int, policy: Policy = gpt_blocks) -> list[int]:
     """Padded element counts of the units ``policy`` makes of ``model`` over n ranks, the root first (no ranks
     needed; the default policy is the tiny GPT's)."""

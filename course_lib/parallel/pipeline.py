@@ -27,11 +27,11 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.gpt import MoE, TinyGPT, make_optimizer
+from course_lib.parallel.catalog import CHUNKS, MICROBATCHES, SCHEDULE
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 from course_lib.parallel.schedule_sim import simulate
 from course_lib.parallel.schedules import (
-    SCHEDULES,
     Action,
     bubble_formula,
     chunks_per_rank,
@@ -314,9 +314,6 @@ def train_pipeline(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-SCHEDULE = Option("schedule", f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b)", str)
-MICROBATCHES = Option("microbatches", "microbatches per step (default 4)", int)
-CHUNKS = Option("chunks", "model chunks per rank, for interleaved (default 1; zb-v and dualpipev fix 2)", int)
 
 
 def check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:

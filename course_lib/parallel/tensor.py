@@ -46,6 +46,7 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.gpt import TinyGPT, count_params, make_optimizer
+from course_lib.parallel.catalog import ASYNC_TP
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 from course_lib.parallel.interface import Option, Scheme
 from course_lib.parallel.tensor_layers import (
@@ -376,7 +377,6 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     return [dict(row) for _ in range(world_size)]
 
 
-ASYNC_TP = Option("async_tp", "async TP: the all-gathers and reduce-scatters as ring steps hidden behind the matmuls")
 
 
 def _scheme(name: str, summary: str, sp: bool, options: tuple[Option, ...] = ()) -> Scheme:

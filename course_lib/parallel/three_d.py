@@ -63,6 +63,7 @@ from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
 from course_lib.model.gpt import MoE, make_optimizer, optimizer_settings
+from course_lib.parallel.catalog import CP, DP, EP, PP, SP, TP, ZERO
 from course_lib.parallel.context import (
     KV,
     TensorContextParallelGPT,
@@ -81,7 +82,7 @@ from course_lib.parallel.expert import (
     shard_experts,
     split_experts,
 )
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 from course_lib.parallel.mesh import (
     AXES,
     Mesh,
@@ -268,16 +269,6 @@ def _tokens_per_rank(cfg: GPTConfig, tp: int, cp: int, sp: bool) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-def _axis(name: str, default: int) -> Option:
-    return Option(name, f"{name.upper()} size of a grid (default {default})", int)
-
-
-TP, CP, PP, DP = _axis("tp", 2), _axis("cp", 1), _axis("pp", 2), _axis("dp", 2)
-EP = Option(
-    "ep", "expert-parallel size, carved out of the DP ranks: an MoE's experts split over EP of them (default 1)", int
-)
-ZERO = Option("zero", "ZeRO-1 over the data-parallel (x context-parallel) ranks", int, choices=(0, 1))
-SP = Option("sp", "sequence parallel inside the tensor-parallel groups")
 
 
 def grid_sizes(world_size: int, o: dict) -> dict[str, int]:

@@ -129,6 +129,25 @@ def test_a_stopped_rank_is_named_as_stopped(pid_dir):
     assert not any(process_alive(pid) for pid in read_pids(pid_dir)), "a stopped rank must be reaped too"
 
 
+def stopped_inside_a_collective():
+    """Rank 3 is stopped from outside (a timer sends SIGSTOP) while it waits in the second all-reduce, which the
+    others reach a second later."""
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if dist.get_rank() == 3:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+    else:
+        time.sleep(1.0)
+    comm.all_reduce(t)
+
+
+def test_a_rank_stopped_inside_a_collective_is_not_counted_among_its_waiters():
+    with pytest.raises(launch.RankError) as err:
+        launch.run(stopped_inside_a_collective, 4, timeout=60, stall_timeout=1.5)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("rank 3 of 4 held the run up: ranks [0, 1, 2] waited over 1.5 s"), first
+
+
 def rank_zero_dawdles():
     """Rank 0 reaches the second all-reduce half a second after the others."""
     t = torch.ones(2)

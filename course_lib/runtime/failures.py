@@ -145,6 +145,8 @@ def stall_message(ranks: list[RankState], pending: set[int], stall_timeout: floa
     if not held_up_by and disagreed is None:
         return None  # every rank is in the same collective: a slow transfer, which the whole-run timeout bounds
     names = ", ".join(str(r) for r in sorted(held_up_by))
+    waiters = [r for r in stuck if r not in held_up_by]  # a rank stopped inside the collective holds it up
+    stuck = waiters or stuck
     lines = [
         f"rank{'s' * (len(held_up_by) > 1)} {names} of {len(ranks)} held the run up: ranks {stuck} waited over "
         f"{stall_timeout:g} s in a collective that rank{'s' * (len(held_up_by) > 1)} {names} did not reach:"

@@ -272,10 +272,11 @@ def rank_lines(ranks: list[RankState], pending: set[int], status, held_up_by: di
     """One line per rank: finished, holding the run up (why, from ``held_up_by``: :func:`laggards`), waiting in a
     collective (how long), or running (its step and last collective)."""
     now, lines = time.monotonic(), []
+    skipped = _skipped_world_collective(pending, status)
     for r in range(len(ranks)):
         since = status[r].blocked_since
         if r not in pending:
-            lines.append(f"  rank {r}: finished")
+            lines.append(f"  rank {r}: finished{skipped}")
         elif r in held_up_by:
             lines.append(f"  rank {r}: {held_up_by[r]}{last_seen(status, r)}")
         elif since:
@@ -283,6 +284,21 @@ def rank_lines(ranks: list[RankState], pending: set[int], status, held_up_by: di
         else:
             lines.append(f"  rank {r}: running{last_seen(status, r)}")
     return lines
+
+
+def _skipped_world_collective(pending: set[int], status) -> str:
+    """What a rank that finished while others wait in a collective of the whole world did wrong: it never called
+    that collective (every rank belongs to the world group, so every rank must); '' when no rank waits in one."""
+    waiting = sorted(r for r in pending if status[r].blocked_since and status[r].group == b"world")
+    if not waiting:
+        return ""
+    first = status[waiting[0]]
+    names = ", ".join(map(str, waiting))
+    return (
+        f", without calling {first.op.decode(errors='replace')} #{first.number} on world, which rank"
+        f"{'s' * (len(waiting) > 1)} {names} wait{'s' * (len(waiting) == 1)} in: this rank skipped a collective "
+        "every rank must call"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- in a rank

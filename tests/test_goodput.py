@@ -271,14 +271,19 @@ def test_other_bad_inputs_are_refused():
 
 
 def test_goodput_command_json_and_text(capsys):
+    """By default each tensor once, spread over the ranks (lesson 08's checkpoint); --whole-replica as before."""
     assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checkpoint_bytes"] == deduplicated_checkpoint_bytes("llama3-405b", 16_384)
+    assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--whole-replica", "--json", "-"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["checkpoint_bytes"] == 7_120_406_240 and out["checkpoint_s"] == pytest.approx(58.330, abs=1e-3)
     assert out["mtbf_gpu_hours"] == pytest.approx(16_384 * 1296 / 419)
     assert out["daly_s"] == pytest.approx(daly_interval(out["checkpoint_s"], out["mtbf_job_s"]))
-    assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--stall-s", "6.3"]) == 0
+    assert main(["goodput", "--gpus", "16384", "--storage-tbps", "2", "--stall-s", "6.3", "--whole-replica"]) == 0
     text = capsys.readouterr().out
-    assert "7.12 GB per rank" in text and "in the background (stall 6.3 s)" in text and "goodput" in text
+    assert "7.12 GB per rank (its whole holding, replicas included)" in text
+    assert "in the background (stall 6.3 s)" in text and "goodput" in text
 
 
 # flag -> (a bad value, what the one-line refusal says); each goes after "goodput --gpus 16384"

@@ -31,7 +31,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
             args.write_gbps * 1e9,
             args.restart_min * 60,
             storage_bandwidth=args.storage_tbps * 1e12 if args.storage_tbps else math.inf,
-            deduplicate=args.deduplicate,
+            deduplicate=not args.whole_replica,
             stall_s=args.stall_s,
         )
     except ValueError as err:
@@ -40,7 +40,9 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     say(args, f"{args.preset} on {args.gpus} GPUs, {c.layout}")
     say(
         args,
-        f"  checkpoint {c.checkpoint_bytes / 1e9:.3g} GB per rank, written in {c.checkpoint_s:.3g} s"
+        f"  checkpoint {c.checkpoint_bytes / 1e9:.3g} GB per rank ("
+        + ("its whole holding, replicas included" if args.whole_replica else "every tensor once, spread over the ranks")
+        + f"), written in {c.checkpoint_s:.3g} s"
         + (f" in the background (stall {args.stall_s:g} s)" if c.async_checkpoint else ""),
     )
     say(args, f"  MTBF {mtbf_gpu_h:.6g} h per GPU -> {c.mtbf_job_s / 3600:.3g} h for the job")
@@ -61,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         [
             ("--gpus 16384", "Llama 3 405B on 16,384 GPUs at Llama 3's failure rate"),
             ("--preset llama3-70b --gpus 2048 --write-gbps 5 --restart-min 5", "faster writes, faster restarts"),
-            ("--gpus 16384 --stall-s 2 --deduplicate", "asynchronous checkpoints, each replica written once"),
+            ("--gpus 16384 --stall-s 2", "asynchronous checkpoints: training stalls 2 s a save"),
+            ("--gpus 16384 --whole-replica", "a save in which every rank writes all it holds, replicas too"),
         ],
         usage="--gpus N [options]",
     )
@@ -74,6 +77,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     gp.add_argument("--storage-tbps", type=positive_float, help="aggregate storage bandwidth, TB/s (default: no cap)")
     gp.add_argument("--restart-min", type=nonnegative_float, default=10.0, help="minutes to restart after a failure")
     gp.add_argument("--stall-s", type=positive_float, help="asynchronous checkpoints: seconds training stalls")
-    gp.add_argument("--deduplicate", action="store_true", help="replicas written once, spread over the ranks")
+    gp.add_argument(
+        "--whole-replica",
+        action="store_true",
+        help="every rank writes all it holds, replicas included (default: each tensor once, the writes spread over "
+        "the ranks, as torch.distributed.checkpoint and lesson 08 do)",
+    )
     gp.set_defaults(func=cmd_goodput)
     add_json_flag(gp)

@@ -113,6 +113,8 @@ BAD = (
         (["run", "dp", "--hardware", "tpu"], "unknown hardware 'tpu'"),
         (["run", "dp", "--hardware", "h100", "--topology", "nope"], "unknown topology 'nope'"),
         (["run", "dp", "--hardware", "h100", "--topology", "tpu-v5p:4x"], "bad size '4x' in topology"),
+        (["run", "dp", "--hardware", "h100", "--topology", "tpu-v5p:4x4"], "a TPU v5p slice is a 3-D torus"),
+        (["plan", *PLAN_405B, "--topology", "tpu-v5p:64x256"], "a TPU v5p slice is a 3-D torus"),
         (["run", "dp", "--hardware", "h100", "--topology", "tpu-v5p:2x1x1"], "4 ranks do not fit tpu-v5p 2x1x1"),
         (["run", "dp", "--topology", "h100-superpod"], "its compute comes from a hardware profile: add hardware"),
         (["run", "dp", "--hardware", "h100", "--algorithm", "ring"], "add a topology"),

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from course_lib.cluster import collectives
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.cluster.topology import FatTree, Topology, Torus, Where, from_spec
+from course_lib.cluster.topology import FatTree, Topology, Torus, Where, from_spec, modeled
 from course_lib.ledgers.comm import CommRecord
 from course_lib.ledgers.trace import Compute, Event, Issue, Wait
 
@@ -316,7 +316,7 @@ def resolve_topology(
 ) -> tuple[Topology, list[int]]:
     """(the topology, each rank's GPU) for a replay of ``world_size`` ranks, or a one-line ValueError: a world
     larger than the topology, a bad placement, an unknown algorithm. ``topology``: a Topology or a profile spec."""
-    topo = from_spec(topology) if isinstance(topology, str) else topology
+    topo = modeled(from_spec(topology) if isinstance(topology, str) else topology)
     if world_size > topo.n_gpus:
         raise ValueError(
             f"{world_size} ranks do not fit {topo.name}, which has {topo.n_gpus} GPUs; use a bigger topology "

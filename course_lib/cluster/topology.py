@@ -421,7 +421,9 @@ def ethernet_2to1(nodes: int = 4) -> FatTree:
 
 
 def tpu_v5p(shape: tuple[int, ...] = (4, 4, 4)) -> Torus:
-    """A TPU v5p slice: a 3D torus of chips (one 4x4x4 cube by default), six ICI links per chip."""
+    """A TPU v5p slice: a 3D torus of chips (one 4x4x4 cube by default), six ICI links per chip. A shape of one or
+    two axes builds a ring or a 2-D torus of the same chips, for pictures (:mod:`course_lib.ui.network_pictures`);
+    a run or a plan models only real slices (:func:`modeled`)."""
     figures = {"link_bandwidth": 100e9, "hop_latency": 1e-6}
     sources = {
         "link_bandwidth": "Google Cloud TPU v5p docs: bidirectional ICI bandwidth 1200 GB/s per chip, 3D torus "
@@ -437,6 +439,17 @@ def tpu_v5p(shape: tuple[int, ...] = (4, 4, 4)) -> Torus:
         sources=sources,
         **figures,
     )
+
+
+def modeled(topology: Topology) -> Topology:
+    """``topology`` if a run or a plan may be modeled on it; a TPU v5p torus of other than three axes (a picture's
+    simplification, no machine) refused in one line. A small slice may have sides of 1 or 2 (2x2x1)."""
+    if isinstance(topology, Torus) and topology.name.startswith("tpu-v5p") and len(topology.shape) != 3:
+        sides = "x".join(map(str, topology.shape))
+        raise ValueError(
+            f"a TPU v5p slice is a 3-D torus: give three sides, e.g. tpu-v5p:4x4x4 or tpu-v5p:{sides}x1, not {sides}"
+        )
+    return topology
 
 
 PROFILES: dict[str, Callable[..., Topology]] = {

@@ -9,7 +9,7 @@ import math
 
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.cluster.topology import Topology, for_gpus
+from course_lib.cluster.topology import Topology, for_gpus, modeled
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
 from course_lib.parallel.schedules import PIPELINE_SCHEDULES, bubble_formula, bubble_ratio, peak_activations
@@ -110,7 +110,7 @@ def network(profile: HardwareProfile, gpus: int, gpus_per_node: int | None, topo
         return Network(profile, gpus_per_node or profile.gpus_per_node)
     if gpus_per_node is not None:
         raise ValueError("a topology says which GPUs share a node; drop gpus_per_node")
-    topo = for_gpus(topology, gpus) if isinstance(topology, str) else topology
+    topo = modeled(for_gpus(topology, gpus) if isinstance(topology, str) else topology)
     if topo.n_gpus != gpus:
         raise ValueError(f"{topo.name} has {topo.n_gpus} GPUs, not the plan's {gpus}; give a topology of {gpus}")
     return Network(profile, profile.gpus_per_node, topo)  # with a topology, its domain replaces the nodes

@@ -71,6 +71,19 @@ def test_a_v_places_stages_r_and_2p_minus_1_minus_r_and_puts_both_ends_on_rank_0
     assert chunks_per_rank("dualpipev") == 2 and chunks_per_rank("interleaved", 3) == 3
 
 
+@pytest.mark.parametrize("schedule", V_SHAPED)
+def test_a_v_takes_the_2_chunks_it_holds_and_refuses_other_counts(schedule, tmp_path):
+    assert generate(schedule, 4, 8, 2) == generate(schedule, 4, 8)
+    check(generate(schedule, 4, 8, chunks=2), 8, 2)
+    for chunks in (3, 4):
+        with pytest.raises(ValueError, match=f"^{schedule} holds 2 chunks per rank, in a V .*: give --chunks 2 or "):
+            generate(schedule, 4, 8, chunks)
+    out = tmp_path / "v.json"
+    assert main(["schedule", "--schedule", schedule, "--chunks", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["chunks"] == 2 and data["actions"] == [[str(a) for a in t] for t in generate(schedule, 4, 8)]
+
+
 @pytest.mark.parametrize("schedule", BEYOND)
 def test_the_closed_form_is_given_exactly_where_it_is_the_simulated_idle(schedule):
     shown = outside = 0

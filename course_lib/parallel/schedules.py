@@ -77,7 +77,8 @@ MAX_CELLS = 16_384  # stages x microbatches x chunks: 64 x 256 builds, checks an
 
 
 def chunks_per_rank(schedule: str, chunks: int = 1) -> int:
-    """Model chunks each rank holds: 2 for a V-shaped schedule, which fixes them, else ``chunks``."""
+    """Model chunks each rank holds: 2 for a V-shaped schedule, which fixes them (``chunks`` 1, the default, or 2,
+    what it holds; :func:`validate` refuses others), else ``chunks``."""
     return 2 if schedule in V_SHAPED else chunks
 
 
@@ -119,12 +120,12 @@ def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> 
             f"{cells:,} forward passes to lay out; the course's tables stop at {MAX_CELLS:,} (about a second to build "
             "and check). The bubble formulas hold for any size: use fewer stages or microbatches to see the table."
         )
-    if schedule in V_SHAPED and chunks != 1:
+    if schedule in V_SHAPED and chunks not in (1, 2):
         raise ValueError(
-            f"{schedule} places 2 chunks per rank in a V by itself (rank r holds stages r and 2p-1-r); "
+            f"{schedule} holds 2 chunks per rank, in a V (rank r holds stages r and 2p-1-r): give --chunks 2 or "
             f"leave out --chunks {chunks}"
         )
-    if chunks > 1 and schedule != "interleaved":
+    if chunks > 1 and schedule not in ("interleaved", *V_SHAPED):
         raise ValueError(f"--chunks {chunks} needs the interleaved schedule, not {schedule!r}")
     if schedule == "dualpipev" and microbatches < 2 * stages:
         raise ValueError(

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from course_lib.cli import main
@@ -20,6 +21,7 @@ from course_lib.parallel.schedules import (
     Costs,
     bubble_formula,
     chunks_per_rank,
+    compute_units,
     embedding_ranks,
     formula_holds,
     generate,
@@ -38,7 +40,8 @@ SIZES = [(2, 4), (3, 6), (4, 8), (4, 7), (5, 10)]
 COSTS = [Costs(f, b, w) for f, b, w in itertools.product((0.5, 1, 2), (0.5, 1, 2), (0, 0.5, 1, 2))]
 # Each schedule's closed form as the papers write it, per rank of p, in costs of a rank's whole stage.
 CLOSED_FORM = {"zb-h2": lambda p, c: (p - 1) * c.f, "zb-v": lambda p, c: (p - 1) * c.f / 2}
-CLOSED_FORM["dualpipev"] = lambda p, c: (p - 1) * (c.f + 2 * c.b - c.w) / 2
+# DualPipeV: DeepSeek's, less what the last rank's unpaired forward saves (idle_formula).
+CLOSED_FORM["dualpipev"] = lambda p, c: ((p - 1) * (c.f + 2 * c.b - c.w) - min(c.f, (p - 1) * (c.b - c.f))) / 2
 
 
 def test_a_v_places_stages_r_and_2p_minus_1_minus_r_and_puts_both_ends_on_rank_0():
@@ -68,6 +71,19 @@ def test_a_v_places_stages_r_and_2p_minus_1_minus_r_and_puts_both_ends_on_rank_0
     assert chunks_per_rank("dualpipev") == 2 and chunks_per_rank("interleaved", 3) == 3
 
 
+@pytest.mark.parametrize("schedule", V_SHAPED)
+def test_a_v_takes_the_2_chunks_it_holds_and_refuses_other_counts(schedule, tmp_path):
+    assert generate(schedule, 4, 8, 2) == generate(schedule, 4, 8)
+    check(generate(schedule, 4, 8, chunks=2), 8, 2)
+    for chunks in (3, 4):
+        with pytest.raises(ValueError, match=f"^{schedule} holds 2 chunks per rank, in a V .*: give --chunks 2 or "):
+            generate(schedule, 4, 8, chunks)
+    out = tmp_path / "v.json"
+    assert main(["schedule", "--schedule", schedule, "--chunks", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["chunks"] == 2 and data["actions"] == [[str(a) for a in t] for t in generate(schedule, 4, 8)]
+
+
 @pytest.mark.parametrize("schedule", BEYOND)
 def test_the_closed_form_is_given_exactly_where_it_is_the_simulated_idle(schedule):
     shown = outside = 0
@@ -92,15 +108,38 @@ def test_the_closed_form_is_given_exactly_where_it_is_the_simulated_idle(schedul
 
 def test_deepseek_v3_table_in_its_own_terms():
     """DeepSeek-V3 §3.2.1, Table 2 (per chunk, B the full backward): 1F1B (PP-1)(F+B), ZB1P (PP-1)(F+B-2W),
-    DualPipeV (PP/2-1)(F&B+B-3W) with F&B = F+B here (the pair runs one after the other); PP+1 chunks in flight."""
-    for p, f, b, w in [(4, 1, 2, 1), (3, 1, 2, 0.5), (4, 1, 3, 1), (6, 0.5, 1, 0.5)]:
+    DualPipeV (PP/2-1)(F&B+B-3W) with F&B = F+B here (the pair runs one after the other), less the F the last rank
+    runs unpaired while its first gradient is on its way, min(F, (PP/2-1)(B-W-F)); PP+1 chunks in flight."""
+    for p, f, b, w, unpaired in [
+        (4, 1, 2, 1, 0),
+        (3, 1, 2, 0.5, 1),
+        (4, 1, 3, 1, 1),
+        (6, 0.5, 1, 0.5, 0),
+        (4, 1, 2.25, 1, 0.75),
+    ]:
         one = Costs(f, b - w, w)  # a rank holds one chunk: B = input gradient + W
         assert simulate(generate("1f1b", p, 4 * p), one).idle[0] == pytest.approx((p - 1) * (f + b))
         assert simulate(generate("zb-h1", p, 4 * p, costs=one), one).idle[0] == pytest.approx((p - 1) * (f + b - 2 * w))
         two = Costs(2 * f, 2 * (b - w), 2 * w)  # a rank holds two chunks of PP = 2p: its stage costs twice a chunk
         sim = simulate(generate("dualpipev", p, 4 * p, costs=two), two)
-        assert sim.idle[0] == pytest.approx((2 * p / 2 - 1) * ((f + b) + b - 3 * w))
+        assert unpaired == min(f, (p - 1) * (b - w - f))
+        assert sim.idle[0] == pytest.approx((2 * p / 2 - 1) * ((f + b) + b - 3 * w) - unpaired)
         assert max(sim.peak_inflight) == 2 * p + 1, "PP+1 chunks' activations"
+
+
+def test_dualpipev_runs_the_last_ranks_first_forward_unpaired_half_a_forward_sooner():
+    """DeepSeek's dualpipev.py: "we don't overlap these two chunks to further reduce bubble size". With B = 2F the
+    step ends F/2 (one chunk's forward) sooner than with the pair; with B = F the idle is the same."""
+    p, m = 4, 10
+    units = compute_units("dualpipev", p, m)
+    last = units[p - 1]
+    assert last[8:11] == [[("F", 4, 0)], [("B", 0, 1), ("W", 0, 1)], [("F", 4, 1), ("B", 0, 0), ("W", 0, 0)]]
+    paired = tables_from_orders("dualpipev", p, [*units[:-1], [*last[:8], last[8] + last[9], *last[10:]]])
+    check(paired, m, 2)
+    for costs, sooner in ((Costs(1, 2, 1), 0.5), (Costs(1, 1, 1), 0)):
+        ours, theirs = simulate(generate("dualpipev", p, m, costs=costs), costs), simulate(paired, costs)
+        assert theirs.makespan - ours.makespan == sooner
+        assert ours.idle[0] == idle_formula("dualpipev", p, m, costs=costs)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", *BEYOND])
@@ -154,17 +193,15 @@ def test_zb_v_with_fewer_microbatches_than_its_pattern_drops_the_missing_ones():
 # ------------------------------------------------------------------------------------------- PyTorch's own tables
 def torch_order(cls: type, p: int, m: int, local: int) -> list[list[tuple]]:
     """PyTorch's per-rank compute order, built by the schedule class itself from stand-in stages (nothing runs):
-    (kind, microbatch, stage) in our letters, its I as our B, its full backward B as our B and W, an overlapped
-    F & B pair as its two parts in order."""
+    (kind, microbatch, stage) in our letters, its I as our B, its full backward B as our B and W."""
     stages = [SimpleNamespace(num_stages=local * p, group_size=p, group_rank=0, submod=None) for _ in range(local)]
     ours = {"F": ("F",), "I": ("B",), "W": ("W",), "B": ("B", "W")}
     return [
         [
-            (kind, sub.microbatch_index, sub.stage_index)
+            (kind, action.microbatch_index, action.stage_index)
             for action in cls(stages, m).pipeline_order[r]
             if action is not None
-            for sub in action.sub_actions or (action,)
-            for kind in ours[sub.computation_type.value]
+            for kind in ours[action.computation_type.value]
         ]
         for r in range(p)
     ]
@@ -178,20 +215,55 @@ def without_w(order: list[list[tuple]]) -> list[list[tuple]]:
     return [[a for a in rank if a[0] != "W"] for rank in order]
 
 
-SAME = [
-    (torch_schedules.ScheduleZBVZeroBubble, "zb-v", 2, [(2, 4), (4, 8), (4, 12), (3, 5), (4, 3)]),
-    (torch_schedules.ScheduleDualPipeV, "dualpipev", 2, [(2, 4), (4, 8), (4, 12), (3, 7), (1, 2)]),
-    (torch_schedules.ScheduleInterleavedZeroBubble, "zb-h1", 1, [(2, 4), (4, 8), (4, 6), (3, 9), (4, 4)]),
-]
+def pytorch_v_table(name: str, p: int, m: int) -> list[list[str]]:
+    """PyTorch's per-rank table of ``name``, a schedule class that holds 2 stages per rank in a V, built by the class
+    from stand-in stages (nothing runs), in its notation: ``{stage}F{mb}``, ``I`` (input gradient), ``W``, ``B`` (a
+    full backward), ``(..F..;..B..)OVERLAP_F_B``; the empty slots (None) that ZB-V keeps for timing left out."""
+    cls = getattr(torch_schedules, name, None)
+    if cls is None:
+        pytest.skip(f"the installed torch {torch.__version__} has no torch.distributed.pipelining {name}")
+    stages = [SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=0, submod=None) for _ in range(2)]
+    order = cls(stages, m).pipeline_order
+    return [[str(a) for a in order[r] if a is not None] for r in range(p)]
 
 
-@pytest.mark.parametrize(("cls", "schedule", "local", "sizes"), SAME, ids=[s for _, s, _, _ in SAME])
-def test_our_tables_run_pytorchs_compute_order(cls, schedule, local, sizes):
-    """ZB-V as ScheduleZBVZeroBubble, DualPipeV as ScheduleDualPipeV (both from Qi et al.'s and DeepSeek's own
-    orders), ZB-H1 as ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P), with the equal costs our
-    ZB-H1 is planned with: the same F, B and W on every rank in the same order."""
-    for p, m in sizes:
-        assert our_order(schedule, p, m) == torch_order(cls, p, m, local), (p, m)
+def our_v_table(schedule: str, p: int, m: int) -> list[list[str]]:
+    """Our units (:func:`compute_units`) in PyTorch's notation: a lone B (its W deferred) is its I, a B with its W
+    its full backward B, an F with a full backward its overlapped pair."""
+
+    def name(r: int, unit: list[tuple]) -> str:
+        (kind, mb, chunk), stage = unit[0], virtual_stage(schedule, r, unit[0][2], p)
+        if [a[0] for a in unit] == ["F", "B", "W"] and unit[1][1:] == unit[2][1:]:
+            return f"({stage}F{mb};{virtual_stage(schedule, r, unit[1][2], p)}B{unit[1][1]})OVERLAP_F_B"
+        if [a[0] for a in unit] == ["B", "W"] and unit[1][1:] == (mb, chunk):
+            return f"{stage}B{mb}"
+        return f"{stage}{'I' if kind == 'B' else kind}{mb}" if len(unit) == 1 else repr(unit)
+
+    return [[name(r, unit) for unit in units] for r, units in enumerate(compute_units(schedule, p, m))]
+
+
+V_SIZES = [(4, 10), (2, 4), (4, 8), (8, 16), (3, 7), (5, 13), (1, 2)]  # DualPipeV takes m >= 2p; PyTorch's test: 4 x 10
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule", "p", "m"),
+    [("ScheduleDualPipeV", "dualpipev", p, m) for p, m in V_SIZES]
+    + [("ScheduleZBVZeroBubble", "zb-v", p, m) for p, m in [*V_SIZES, (3, 5), (4, 3)]],
+)
+def test_the_v_schedules_are_pytorchs_action_by_action(name, schedule, p, m):
+    """DualPipeV as ScheduleDualPipeV (both from DeepSeek's dualpipev.py: its overlapped pairs, full backwards and
+    the last rank's unpaired first F and B), ZB-V as ScheduleZBVZeroBubble (Qi et al.'s order, its I and W), every
+    rank's every action in the same order. ZB-V with fewer than 2p-1 microbatches leaves out the same actions."""
+    theirs, ours = pytorch_v_table(name, p, m), our_v_table(schedule, p, m)
+    for r in range(p):
+        assert ours[r] == theirs[r], f"rank {r} of {p}, {m} microbatches"
+
+
+def test_zb_h1_runs_pytorchs_compute_order():
+    """ZB-H1 as ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P), with the equal costs our ZB-H1 is
+    planned with: the same F, B and W on every rank in the same order."""
+    for p, m in [(2, 4), (4, 8), (4, 6), (3, 9), (4, 4)]:
+        assert our_order("zb-h1", p, m) == torch_order(torch_schedules.ScheduleInterleavedZeroBubble, p, m, 1), (p, m)
 
 
 def test_the_interleaved_and_gpipe_tables_are_pytorchs_too():

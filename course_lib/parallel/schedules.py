@@ -19,15 +19,17 @@ of its gradient (SEND_B / RECV_B); neighbouring stages on one rank (the turn of 
   (p-1)T_F/2 of idle with equal costs.
 * ``dualpipev``: DeepSeek's DualPipe cut in half (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.2.1; the
   order of deepseek-ai/DualPipe's ``dualpipev.py``): the V, with a forward of one chunk paired with the full
-  backward of the other, which DualPipe overlaps and the course's CPU ranks run one after the other.
+  backward of the other, which DualPipe overlaps and the course's CPU ranks run one after the other (but the last
+  rank's first such pair, which DeepSeek runs apart).
 
 The same tables drive :mod:`course_lib.parallel.schedule_sim` (``simulate``: makespan, idle and bubble per stage,
 peak microbatches in flight; ``check``: every dependency respected, each peer's messages received in the order it
 sends them, no deadlock) and the executor in :mod:`course_lib.parallel.pipeline`. :func:`idle_formula` and
 :func:`bubble_formula` give the papers' closed forms where they are this table's (:func:`formula_holds`),
 :func:`peak_activations` their memory.
-ZB-V, DualPipeV and ZB-H1 (at equal costs) run the same compute order as PyTorch's ``ScheduleZBVZeroBubble``,
-``ScheduleDualPipeV`` and ``ScheduleInterleavedZeroBubble`` (``tests/test_schedules_beyond.py``).
+ZB-V and DualPipeV are PyTorch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` action by action (F, its I as
+our B, W, a full backward, DualPipeV's overlapped pairs: :func:`compute_units`), ZB-H1 (at equal costs) runs
+``ScheduleInterleavedZeroBubble``'s compute order (``tests/test_schedules_beyond.py``).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ MAX_CELLS = 16_384  # stages x microbatches x chunks: 64 x 256 builds, checks an
 
 
 def chunks_per_rank(schedule: str, chunks: int = 1) -> int:
-    """Model chunks each rank holds: 2 for a V-shaped schedule, which fixes them, else ``chunks``."""
+    """Model chunks each rank holds: 2 for a V-shaped schedule, which fixes them (``chunks`` 1, the default, or 2,
+    what it holds; :func:`validate` refuses others), else ``chunks``."""
     return 2 if schedule in V_SHAPED else chunks
 
 
@@ -117,12 +120,12 @@ def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> 
             f"{cells:,} forward passes to lay out; the course's tables stop at {MAX_CELLS:,} (about a second to build "
             "and check). The bubble formulas hold for any size: use fewer stages or microbatches to see the table."
         )
-    if schedule in V_SHAPED and chunks != 1:
+    if schedule in V_SHAPED and chunks not in (1, 2):
         raise ValueError(
-            f"{schedule} places 2 chunks per rank in a V by itself (rank r holds stages r and 2p-1-r); "
+            f"{schedule} holds 2 chunks per rank, in a V (rank r holds stages r and 2p-1-r): give --chunks 2 or "
             f"leave out --chunks {chunks}"
         )
-    if chunks > 1 and schedule != "interleaved":
+    if chunks > 1 and schedule not in ("interleaved", *V_SHAPED):
         raise ValueError(f"--chunks {chunks} needs the interleaved schedule, not {schedule!r}")
     if schedule == "dualpipev" and microbatches < 2 * stages:
         raise ValueError(
@@ -152,6 +155,15 @@ def generate(
     schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs | None = None
 ) -> list[list[Action]]:
     """The per-rank action tables of ``schedule`` (compute actions with their transfers)."""
+    return tables_from_orders(schedule, stages, compute_units(schedule, stages, microbatches, chunks, costs), chunks)
+
+
+def compute_units(
+    schedule: str, stages: int, microbatches: int, chunks: int = 1, costs: Costs | None = None
+) -> list[list[list[tuple]]]:
+    """Each rank's compute order in units, each a list of (kind, microbatch, chunk) that runs between two waits for
+    transfers (:class:`_Order`): one action, a full backward (B and its W), or DualPipeV's pair of an F and a full
+    backward, which DualPipe overlaps. :func:`generate` adds the transfers."""
     validate(schedule, stages, microbatches, chunks)
     costs = costs or default_costs(schedule)
     p, m = stages, microbatches
@@ -169,7 +181,12 @@ def generate(
         order = [_zb_v(r, p, m) for r in range(p)]
     else:
         order = [_dualpipe_v(r, p, m) for r in range(p)]
-    return tables_from_orders(schedule, p, order, chunks)
+    return [_units(rank_order) for rank_order in order]
+
+
+def _units(order: list) -> list[list[tuple]]:
+    """A rank's order with each lone (kind, microbatch, chunk) made a unit of its own."""
+    return [u if isinstance(u, list) else [u] for u in order]
 
 
 def tables_from_orders(schedule: str, stages: int, orders: list[list], chunks: int = 1) -> list[list[Action]]:
@@ -177,8 +194,7 @@ def tables_from_orders(schedule: str, stages: int, orders: list[list], chunks: i
     that runs between two waits (:class:`_Order`): the transfers added where the schedule's placement puts
     neighbouring stages on different ranks, and each rank's receives in the order its peers send."""
     p, v = stages, chunks_per_rank(schedule, chunks)
-    units = [[u if isinstance(u, list) else [u] for u in rank_order] for rank_order in orders]
-    return _in_send_order([_with_transfers(schedule, r, p, v, rank_units) for r, rank_units in enumerate(units)])
+    return _in_send_order([_with_transfers(schedule, r, p, v, _units(order)) for r, order in enumerate(orders)])
 
 
 def _one_f_one_b(r: int, p: int, m: int, warmup: int | None = None) -> list[tuple]:
@@ -334,9 +350,10 @@ def _dualpipe_v(r: int, p: int, m: int) -> list[list[tuple]]:
 
     1. 2(p-r-1) forwards of chunk 0; 2. r+1 times F of chunk 0, F of chunk 1; 3. p-r-1 times B of chunk 1 (its W
     deferred), a deferred W, F of chunk 1; 4. m-2p+r+1 times the pairs "F chunk 0 & B chunk 1", "F chunk 1 & B
-    chunk 0"; 5. p-r-1 times B of chunk 1, "F chunk 1 & B chunk 0"; 6. r+1 times B of chunk 1, B of chunk 0,
-    deferring W's from the middle one on; 7. p-r-1 times a deferred W, B of chunk 0 (W deferred); 8. r+1 deferred
-    W's.
+    chunk 0", except that the last rank runs its first "F chunk 0" and "B chunk 1" apart (``dualpipev.py``: "we
+    don't overlap these two chunks to further reduce bubble size"; PyTorch's ``ScheduleDualPipeV`` too); 5. p-r-1
+    times B of chunk 1, "F chunk 1 & B chunk 0"; 6. r+1 times B of chunk 1, B of chunk 0, deferring W's from the
+    middle one on; 7. p-r-1 times a deferred W, B of chunk 0 (W deferred); 8. r+1 deferred W's.
 
     A pair "F & B" is one forward and one full backward that DualPipe overlaps on a GPU (one's communication behind
     the other's compute); on the course's CPU ranks they run one after the other, F first, as DualPipeV does
@@ -355,8 +372,12 @@ def _dualpipe_v(r: int, p: int, m: int) -> list[list[tuple]]:
         o.backward(1, defer_weight=True)
         o.deferred_weight()
         o.run("F", 1)
-    for _ in range(m - 2 * p + r + 1):
-        pair(0, 1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the last rank's first F of chunk 0 and B of chunk 1, apart: a smaller bubble
+            o.run("F", 0)
+            o.backward(1, defer_weight=False)
+        else:
+            pair(0, 1)
         pair(1, 0)
     for _ in range(p - r - 1):
         o.backward(1, defer_weight=False)
@@ -455,8 +476,8 @@ FORMULA_RANGES = {
     "tells",
     "zb-v": "ZB-V's (p-1)F/2 holds for this table when m >= 2p-1, B = F and F/2 <= W <= F (Qi et al. lay it out for "
     "F = B = W); elsewhere only the simulation tells",
-    "dualpipev": "DeepSeek's DualPipeV bubble holds for this table when the backward B takes at least as long as F "
-    "and as W; elsewhere only the simulation tells",
+    "dualpipev": "DualPipeV's bubble (DeepSeek's, less the last rank's unpaired forward) holds for this table when "
+    "the backward B takes at least as long as F and as W; elsewhere only the simulation tells",
 }
 
 
@@ -502,11 +523,16 @@ def idle_formula(
       §6).
     * DualPipeV: (PP/2-1)(F&B+B-3W) over PP = 2p chunks of half a stage, B the full backward, F&B the pair of a
       forward and a full backward, which DualPipe overlaps and the course runs one after the other (F&B = F+B):
-      (p-1)(F+2B-W)/2 with this function's F, B and W (DeepSeek-AI 2024, §3.2.1 and Table 2)."""
+      (p-1)(F+2B-W)/2 with this function's F, B and W (DeepSeek-AI 2024, §3.2.1 and Table 2), less
+      min(F, (p-1)(B-F))/2: the last rank's first forward of chunk 0 (F/2), which DeepSeek's ``dualpipev.py`` runs
+      apart from its backward, no longer waits with it for the gradient (the simulated idle: half a stage's
+      forward once B >= F + F/(p-1), nothing with B = F)."""
     p, m, v = stages, microbatches, chunks_per_rank(schedule, chunks)
     f, b, w = costs.f, costs.b, costs.w
     if not formula_holds(schedule, p, m, costs):
         return None
+    if schedule == "dualpipev":
+        return ((p - 1) * (f + 2 * b - w) - min(f, (p - 1) * (b - f))) / 2
     return (p - 1) * {
         "gpipe": f + b + w,
         "1f1b": f + b + w,
@@ -514,7 +540,6 @@ def idle_formula(
         "zb-h1": f + b - w,
         "zb-h2": f,
         "zb-v": f / 2,
-        "dualpipev": (f + 2 * b - w) / 2,
     }[schedule]
 
 

@@ -85,7 +85,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sch.add_argument("--stages", type=positive_int, default=4, help="pipeline stages p, one per rank (default 4)")
     sch.add_argument("--microbatches", type=positive_int, default=8, help="microbatches m per step (default 8)")
     sch.add_argument(
-        "--chunks", type=positive_int, default=1, help="model chunks per rank, for interleaved (default 1)"
+        "--chunks",
+        type=positive_int,
+        default=1,
+        help="model chunks per rank: interleaved splits each stage into them (default 1); zb-v and dualpipev hold 2 "
+        "in a V by themselves (2 is accepted)",
     )
     sch.add_argument("--f", type=positive_float, default=1.0, help="cost of a forward")
     sch.add_argument("--b", type=positive_float, default=1.0, help="cost of a backward (input gradient)")

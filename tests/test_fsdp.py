@@ -81,7 +81,7 @@ VARIANTS = {
         torch.float32,
         1,
         "nowhere",
-        {"units": mlp_layers_and_head, "compute_dtype": torch.float64},
+        {"units": mlp_layers_and_head, "compute_dtype": torch.float64, "replicate": norm_and_embedding},
         0,
     ),
     "find-unused": (torch.float64, 1, "everywhere", {"find_unused_parameters": True}, 0),

@@ -387,7 +387,8 @@ class FullyShardedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         """Autograd's last act in a backward (Zhao et al. 2023, §3: FSDP's post-backward): settle the units whose
         gradients did not all come (zeros with ``find_unused_parameters``, an error naming them without), free
-        every unit, wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
+        every unit, wait for the reduce-scatters, add the averaged slices to the shards' gradients and make the
+        module's parameters their pieces of the shards, with those of the gradients as ``.grad``."""
         missing = [p for unit in self.units for p in unit.params if id(p) not in self.ready.arrived]
         self.ready.reset()
         if self.find_unused_parameters:
@@ -412,8 +413,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing left to do, and nothing sent: every ``backward()`` has already added the averaged slices to the
-        shards' gradients (:meth:`_end_backward`). Kept for training loops written for a wrapper that needs the call
-        (CS336's assignment asks for one); calling it once, twice or never gives the same step."""
+        shards' gradients and given each module parameter its piece as ``.grad`` (:meth:`_end_backward`). Kept for
+        training loops written for a wrapper that needs the call (CS336's assignment asks for one); calling it once,
+        twice or never gives the same step."""
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
         """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.runtime.checkpoint` saves,

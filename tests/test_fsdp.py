@@ -57,6 +57,12 @@ def mlp_layers_and_head(model: TiedMLP) -> list[nn.Module]:
     return [model.mlp[0], model.mlp[2], model.head]
 
 
+def norm_and_embedding(model: TiedMLP) -> list[nn.Module]:
+    """Parameters kept whole on every rank: the LayerNorm's and the embedding's (tied to the head, so the root is
+    left with nothing and dropped)."""
+    return [model.norm, model.embed]
+
+
 NORM_OFF = {"nowhere": (), "everywhere": (0, 1, 2, 3), "on rank 0": (0,)}  # ranks where the LayerNorm gets no gradient
 # name: (dtype, micro-batches, where the LayerNorm gets no gradient, wrapper options, calls of
 # finish_gradient_synchronization per step; 0: PyTorch's loop)
@@ -75,10 +81,11 @@ VARIANTS = {
         torch.float32,
         1,
         "nowhere",
-        {"units": mlp_layers_and_head, "compute_dtype": torch.float64},
+        {"units": mlp_layers_and_head, "compute_dtype": torch.float64, "replicate": norm_and_embedding},
         0,
     ),
     "find-unused": (torch.float64, 1, "everywhere", {"find_unused_parameters": True}, 0),
+    "replicate-norm-and-embedding": (torch.float64, 2, "nowhere", {"replicate": norm_and_embedding}, 0),
     # Other ranks' units complete earlier: the reduce-scatters must still pair up. Gathering in backward would not
     # (rank 0 never runs the LayerNorm's backward), hence no resharding and no prefetching.
     "find-unused-on-rank-0": (
@@ -130,11 +137,21 @@ def train_wrapped(dtype: torch.dtype, accum: int, norm_off: str, options: dict, 
                 (F.cross_entropy(logits, targets) / accum).backward()
         for _ in range(finish_calls):
             wrapped.finish_gradient_synchronization()
+        if step == 0:
+            pieces = {
+                name: (p.detach().clone(), p.grad if p.grad is None else p.grad.clone())
+                for name, p in model.named_parameters()
+                if p.requires_grad
+            }
+            full_grads = wrapped.full_grads()
         optimizer.step()
         optimizer.zero_grad()
         params.append(wrapped.full_params())
     return {
         "params": params,
+        "pieces": pieces,  # after step 0's backward: each trainable parameter and its .grad, as this rank has them
+        "full_grads": full_grads,
+        "module_params": {name: p.detach().clone() for name, p in model.named_parameters()},  # after training
         "units": [unit.name for unit in wrapped.units],
         "parameters_are_the_shards": ours == shards and not ours & module_params,
         "gathered_after_forward": gathered_after_forward,
@@ -155,9 +172,10 @@ def unused_error() -> str:
     return str(error.value)
 
 
-def train_fully_shard() -> list[dict[str, torch.Tensor]]:
+def train_fully_shard() -> dict:
     """PyTorch's FSDP2 on the default policy's units (the MLP, the LayerNorm, the root), float64, all ranks seeded
-    alike (``fully_shard`` does not broadcast)."""
+    alike (``fully_shard`` does not broadcast): the full parameters after every step, and after step 0's backward
+    each gradient whole (``full_tensor()``) and whether every ``.grad`` (a DTensor) has its parameter's shape."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED)
     model = TiedMLP().double()
@@ -168,11 +186,15 @@ def train_fully_shard() -> list[dict[str, torch.Tensor]]:
     for step in range(STEPS):
         tokens, features, targets = rows(batch(step, torch.float64), rank, n)
         F.cross_entropy(model(tokens, features), targets).backward()
+        if step == 0:
+            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            grads = {name: p.grad.full_tensor().clone() for name, p in trainable}
+            own_shapes = all(p.grad.shape == p.shape for _, p in trainable)
         optimizer.step()
         optimizer.zero_grad()
         full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in model.named_parameters()}
         params.append({name: p.detach().clone() for name, p in full.items()})
-    return params
+    return {"params": params, "grads": grads, "grads_have_their_parameters_shapes": own_shapes}
 
 
 def rank_checks() -> dict:
@@ -193,10 +215,11 @@ def ranks(n: int) -> launch.RunResult:
     return launch.run(rank_checks, n)
 
 
-def one_process(dtype: torch.dtype, norm_off: str, options: dict, n: int) -> list[dict[str, torch.Tensor]]:
+def one_process(dtype: torch.dtype, norm_off: str, options: dict, n: int) -> tuple[list[dict], dict]:
     """The same model (rank 0's weights) on the whole batch in this process: a copy cast to the compute dtype runs
     forward and backward, and a gradient that never came counts as zero (as find_unused_parameters has it). When
-    the LayerNorm trains on some ranks only, rank r's rows run as rank r does, each block's loss divided by n."""
+    the LayerNorm trains on some ranks only, rank r's rows run as rank r does, each block's loss divided by n.
+    Returns the parameters after every step and step 0's gradients."""
     torch.manual_seed(SEED)
     model = TiedMLP().to(dtype)
     optimizer = adamw(model.parameters())
@@ -213,10 +236,12 @@ def one_process(dtype: torch.dtype, norm_off: str, options: dict, n: int) -> lis
         for p, q in zip(model.parameters(), compute.parameters(), strict=True):
             if p.requires_grad:
                 p.grad = torch.zeros_like(p) if q.grad is None else q.grad.to(dtype)
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
         optimizer.step()
         optimizer.zero_grad()
         params.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    return params
+    return params, grads
 
 
 def assert_same(got: list[dict], want: list[dict], dtype: torch.dtype) -> float:
@@ -240,7 +265,7 @@ WORLD_SIZES = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_any_module_trains_as_in_one_process_after_every_step(n, variant):
     dtype, accum, norm_off, options, _ = VARIANTS[variant]
-    reference = one_process(dtype, norm_off, options, n)
+    reference, _ = one_process(dtype, norm_off, options, n)
     for rank in ranks(n):
         got = rank["variants"][variant]
         assert_same(got["params"], reference, dtype)
@@ -286,6 +311,9 @@ def test_tied_weights_go_to_the_root_and_units_without_trainable_parameters_are_
         ("mlp", [(2 * WIDTH, WIDTH), (2 * WIDTH,), (WIDTH, 2 * WIDTH)]),  # not the frozen bias
         ("norm", [(WIDTH,), (WIDTH,)]),
     ]
+    kept = fsdp.replicated_params(model, norm_and_embedding)
+    assert [id(p) for p in kept] == [id(model.embed.weight), id(model.norm.weight), id(model.norm.bias)]
+    assert [name for name, _, _ in fsdp.shard_plan(model, fsdp.children_with_params, kept)] == ["mlp"]
     custom = fsdp.shard_plan(model, mlp_layers_and_head)
     assert [name for name, _, _ in custom] == ["root", "mlp.0", "mlp.2"]  # the head gave its weight to the root
     assert [id(p) for p in custom[0][2]] == [id(model.embed.weight), id(model.norm.weight), id(model.norm.bias)]
@@ -299,11 +327,92 @@ def test_a_parameter_without_gradient_is_an_error_naming_it_on_every_rank(n):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_pytorch_fully_shard_gives_the_same_parameters(n):
-    reference = one_process(torch.float64, "nowhere", {}, n)
+def test_pytorch_fully_shard_gives_the_same_parameters_and_gradients(n):
+    reference, grads = one_process(torch.float64, "nowhere", {}, n)
     for rank in ranks(n):
-        assert_same(rank["fully_shard"], reference, torch.float64)
-        assert_same(rank["fully_shard"], rank["variants"]["default"]["params"], torch.float64)
+        theirs = rank["fully_shard"]
+        assert_same(theirs["params"], reference, torch.float64)
+        assert_same(theirs["params"], rank["variants"]["default"]["params"], torch.float64)
+        assert theirs["grads_have_their_parameters_shapes"]
+        assert_same([theirs["grads"], rank["variants"]["default"]["full_grads"]], [grads, grads], torch.float64)
+
+
+def _concatenated_pieces(result: launch.RunResult, variant: str, which: int) -> dict[str, torch.Tensor]:
+    """Every rank's piece of each parameter (``which`` 0) or of its gradient (1), end to end in rank order."""
+    names = result[0]["variants"][variant]["pieces"]
+    return {name: torch.cat([r["variants"][variant]["pieces"][name][which] for r in result]) for name in names}
+
+
+def _replicated_names(options: dict) -> set[str]:
+    model = TiedMLP()
+    kept = {id(p) for p in fsdp.replicated_params(model, options.get("replicate"))}
+    return {name for name, p in model.named_parameters() if id(p) in kept}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_after_backward_every_parameter_has_its_gradient_of_its_own_shape(n, variant):
+    """Outside forward and backward each module parameter is this rank's piece of its flattened values (whole when
+    replicated) and its .grad that piece of the averaged gradient, in the shards' dtype (float32 under a float64
+    compute dtype); every rank's pieces end to end make the whole, and full_grads() gathers it: one process's
+    gradients on the whole batch. Replicated parameters' gradients are whole and the same on every rank."""
+    dtype, _, norm_off, options, _ = VARIANTS[variant]
+    _, reference = one_process(dtype, norm_off, options, n)
+    torch.manual_seed(SEED)
+    initial = {name: p.detach() for name, p in TiedMLP().to(dtype).named_parameters()}  # rank 0's, broadcast
+    kept = _replicated_names(options)
+    result = ranks(n)
+    first = result[0]["variants"][variant]
+    values, grads = _concatenated_pieces(result, variant, 0), _concatenated_pieces(result, variant, 1)
+    for rank in result:
+        got = rank["variants"][variant]
+        assert got["pieces"].keys() == reference.keys() == got["full_grads"].keys()
+        for name, (value, grad) in got["pieces"].items():
+            assert grad.shape == value.shape and grad.dtype == value.dtype == dtype, name
+            assert value.shape == reference[name].shape if name in kept else value.dim() == 1, name
+            if name in kept:
+                assert torch.equal(value, initial[name]) and torch.equal(grad, first["full_grads"][name]), name
+        assert_same([got["full_grads"]], [reference], dtype)
+    for name in reference.keys() - kept:
+        assert torch.equal(values[name], initial[name].flatten()), name
+        assert torch.equal(grads[name], first["full_grads"][name].flatten()), name
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_replicated_parameters_stay_whole_equal_on_every_rank_and_are_all_reduced(n):
+    """replicate= keeps the LayerNorm and the tied embedding whole on every rank, trained as in one process; a step
+    sends what ZeRO-3 sends for the one sharded unit left (the MLP: two all-gathers and a reduce-scatter per
+    micro-batch, (n-1)/n of its padded bytes each) and one all-reduce of the replicas' gradients, 2(n-1)/n of
+    theirs, per micro-batch; replicas are never gathered."""
+    variant = "replicate-norm-and-embedding"
+    dtype, accum, norm_off, options, _ = VARIANTS[variant]
+    reference, _ = one_process(dtype, norm_off, options, n)
+    kept = _replicated_names(options)
+    assert kept == {"embed.weight", "norm.weight", "norm.bias"}
+    model = TiedMLP()
+    ((name, _, sharded),) = fsdp.shard_plan(
+        model, fsdp.children_with_params, fsdp.replicated_params(model, norm_and_embedding)
+    )
+    assert name == "mlp"
+    padded, whole = -(-sum(p.numel() for p in sharded) // n) * n, sum(reference[-1][k].numel() for k in kept)
+    result = ranks(n)
+    for rank, records in zip(result, result.comm, strict=True):
+        got = rank["variants"][variant]
+        assert got["units"] == ["replicated", "mlp"]
+        for k in kept:
+            assert torch.equal(got["module_params"][k], result[0]["variants"][variant]["module_params"][k])
+            torch.testing.assert_close(got["module_params"][k], reference[-1][k], rtol=1e-10, atol=1e-10)
+        for step in range(STEPS):
+            sent: dict[tuple[str, str], float] = {}
+            for rec in records:
+                if rec.tags.get("variant") == variant and rec.tags.get("step") == step:
+                    key = (rec.op, rec.tags.get("unit"))
+                    sent[key] = sent.get(key, 0) + rec.sent_bytes
+            assert sent == {
+                ("all_gather", "mlp"): 2 * accum * (n - 1) / n * 8 * padded,
+                ("reduce_scatter", "mlp"): accum * (n - 1) / n * 8 * padded,
+                ("all_reduce", "replicated"): accum * 2 * (n - 1) / n * 8 * whole,
+            }
 
 
 @pytest.fixture

@@ -126,8 +126,7 @@ class MemoryMeter(TorchDispatchMode):
         self.model, self.optimizer = model, optimizer
         self.device = torch.device(device) if device is not None else None
         params = _held_params(model, optimizer)
-        # Storage objects, not addresses: a sharded scheme re-allocates a parameter's storage in place.
-        self._param_storages = {p.untyped_storage()._cdata for p in params}
+        self._params = params
         self._initial = params + _gradients(params) + optimizer_tensors(optimizer)
         self._live: dict[int, int] = {}
         self.live = 0
@@ -171,7 +170,9 @@ class MemoryMeter(TorchDispatchMode):
 
     # -- saved activations ---------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if t.untyped_storage()._cdata in self._param_storages:
+        # Storage objects, not addresses, and each parameter's as it is saved: a sharded scheme re-allocates a
+        # parameter's storage in place, and FSDP's parameters view a gathered buffer in forward, their shard between.
+        if t.untyped_storage()._cdata in {p.untyped_storage()._cdata for p in self._params}:
             return t
         key = _storage_key(t)
         if self._saved.get(key, 0) == 0:

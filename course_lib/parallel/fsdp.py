@@ -4,8 +4,11 @@ Memory Optimizations Toward Training Trillion Parameter Models", §5.3), as PyTo
 
 A policy picks the submodules that become *units*; the root unit holds every other trainable parameter. Each unit's
 parameters are laid end to end in one flat buffer padded to a multiple of the n ranks, and rank r keeps slice r
-alone: the shard, an ``nn.Parameter`` that the optimizer updates (FSDP's full sharding). The module's own
-parameters stay in place as views into a full buffer whose storage exists only while the unit is gathered:
+alone: the shard, an ``nn.Parameter`` that the optimizer updates (FSDP's full sharding). Between a forward and
+the end of its backward, the module's own parameters are views of their own shapes into a full buffer whose storage
+exists only while the unit is gathered; otherwise each is its piece of this rank's shard, with its piece of the
+averaged gradient as ``.grad`` (FSDP's original parameters). Parameters of modules the user names may instead stay
+whole on every rank, their gradients all-reduced as DataParallel's:
 
 * before a unit's forward its full parameters are all-gathered (and the next unit's gather started, forward
   prefetching); after it they are freed (``reshard_after_forward``);
@@ -53,9 +56,11 @@ from course_lib.parallel.data import (
 from course_lib.parallel.interface import Scheme
 from course_lib.parallel.zero import FlatShard
 from course_lib.runtime import launch
+from course_lib.runtime.checkpoint_state import Held, whole
 
 Policy = Callable[[nn.Module], list[nn.Module]]
 ROOT = "root"
+REPLICATED = "replicated"
 
 
 def children_with_params(module: nn.Module) -> list[nn.Module]:
@@ -63,8 +68,18 @@ def children_with_params(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.children() if next(child.parameters(), None) is not None]
 
 
-def shard_plan(module: nn.Module, policy: Policy) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """The units ``policy`` makes of ``module``, the root first: each one's name, module and trainable parameters.
+def replicated_params(module: nn.Module, replicate: Policy | None) -> list[nn.Parameter]:
+    """The trainable parameters registered in (or under) the modules ``replicate`` picks, in ``module``'s order: kept
+    whole on every rank, wherever else they are registered (a replica is whole at every use)."""
+    picked = {id(p) for m in (replicate(module) if replicate else []) for p in m.parameters()}
+    return [p for p in module.parameters() if p.requires_grad and id(p) in picked]
+
+
+def shard_plan(
+    module: nn.Module, policy: Policy, replicated: list[nn.Parameter] = ()
+) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """The units ``policy`` makes of ``module``, the root first: each one's name, module and trainable parameters
+    (less the ``replicated`` ones).
 
     A parameter belongs to the innermost unit around the place it is registered. One registered in two units, or in a
     unit and outside every unit (an embedding tied to an output head), belongs to the root, which stays gathered
@@ -85,8 +100,9 @@ def shard_plan(module: nn.Module, policy: Policy) -> list[tuple[str, nn.Module, 
 
     visit(module, "", id(module))
     groups: dict[int, list[nn.Parameter]] = {owner: [] for owner in (id(module), *chosen)}
+    kept = {id(p) for p in replicated}
     for p in module.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in kept:
             shared = len(owners[id(p)]) > 1
             groups[id(module) if shared else next(iter(owners[id(p)]))].append(p)
     modules = {**chosen, id(module): module}
@@ -94,30 +110,69 @@ def shard_plan(module: nn.Module, policy: Policy) -> list[tuple[str, nn.Module, 
 
 
 class ShardedUnit:
-    """One FSDP unit: a shard that persists, and a full buffer (the module's parameters are views into it) that
-    exists only between :meth:`gather` and :meth:`free`, in ``compute_dtype`` if one is given."""
+    """One FSDP unit: a shard that persists, and a full buffer that exists only between :meth:`gather` and
+    :meth:`free`, in ``compute_dtype`` if one is given. ``replicated``: the shard is the whole unit on every rank
+    (gathered by a copy, its gradients all-reduced), DataParallel's way for parameters kept whole.
+
+    The module's parameters take one of two forms (Zhao et al. 2023, §3, FSDP's original parameters as views into
+    the flat parameter): during forward and backward (:meth:`use_full`) each is a view of its own shape into the full
+    buffer; otherwise (:meth:`use_shard`) each is the 1-D piece of its flattened values that this rank's shard holds
+    (empty where another rank holds them all), with that piece of the shard's gradient as its ``.grad``. ``flat``
+    lays out stand-ins of the parameters' own shapes on the meta device, so the layout never depends on the form."""
 
     def __init__(
-        self, name: str, module: nn.Module, params: list[nn.Parameter], group: Group, compute_dtype: torch.dtype | None
+        self,
+        name: str,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        group: Group,
+        compute_dtype: torch.dtype | None,
+        replicated: bool = False,
     ) -> None:
         if len({p.dtype for p in params}) > 1:
             raise ValueError(f"unit {name!r} mixes dtypes {sorted({str(p.dtype) for p in params})}; use one dtype")
-        self.name, self.module, self.params, self.group = name, module, params, group
-        self.flat = FlatShard(params, dist.get_world_size(group), dist.get_rank(group))
+        self.name, self.module, self.params, self.group, self.replicated = name, module, params, group, replicated
+        n, rank = (1, 0) if replicated else (dist.get_world_size(group), dist.get_rank(group))
+        self.flat = FlatShard([torch.empty_like(p, device="meta") for p in params], n, rank)
         full = self.flat.flatten([p.detach() for p in params])
         self.shard = nn.Parameter(full[self.flat.lo : self.flat.hi].clone())
         self.full = full.to(compute_dtype or full.dtype)
-        self.flat.view_params_into(self.full)
+        self.views = split_like(self.full, self.flat.params)  # made while the storage exists; they outlive its frees
         self._nbytes = self.full.untyped_storage().nbytes()
         self._pending: comm.Handle | None = None
         self.forward_started = 0.0
         self.free()
+        self.use_shard()
+
+    def use_full(self) -> None:
+        """Each parameter a view of its own shape into the full buffer (freed or not), without ``.grad``."""
+        for p, view in zip(self.params, self.views, strict=True):
+            p.grad = None
+            p.data = view
+
+    def use_shard(self) -> None:
+        """Each parameter its piece of this rank's shard (in its own shape when replicated), its ``.grad`` that piece
+        of the shard's gradient."""
+        start = 0
+        for p, like in zip(self.params, self.flat.params, strict=True):
+            lo, hi = (min(max(i - self.flat.lo, 0), self.flat.shard_numel) for i in (start, start + like.numel()))
+            shape = like.shape if self.replicated else (hi - lo,)
+            p.grad = None
+            p.data = self.shard.detach()[lo:hi].view(shape)
+            if self.shard.grad is not None:
+                p.grad = self.shard.grad[lo:hi].view(shape)
+            start += like.numel()
 
     def gather(self) -> None:
-        """Start the all-gather of the full parameters, unless they are here or on their way."""
+        """Start the all-gather of the full parameters (a copy when replicated), unless they are here or on their
+        way."""
         if self.gathered or self._pending is not None:
             return
         resize_storage(self.full, self._nbytes)
+        if self.replicated:
+            self.full.copy_(self.shard.detach())
+            self.gathered = True
+            return
         with trace.tags(unit=self.name):
             shard = self.shard.detach().to(self.full.dtype)
             self._pending = comm.all_gather(self.full, shard, group=self.group, async_op=True)
@@ -137,17 +192,29 @@ class ShardedUnit:
         resize_storage(self.full, 0)
         self.gathered = False
 
-    def reduce_scatter(self) -> tuple[torch.Tensor, comm.Handle]:
-        """Start summing the unit's gradients (zero for a parameter that got none) into this rank's slice; the
-        full gradients and parameters are freed. Returns the slice being written and the collective's handle."""
+    def reduce(self) -> tuple[torch.Tensor, comm.Handle]:
+        """Start summing the unit's gradients (zero for a parameter that got none) into this rank's slice (all of
+        them, all-reduced, when replicated); the full gradients and parameters are freed. Returns the slice being
+        written and the collective's handle."""
         grads = [self.full.new_zeros(p.shape) if p.grad is None else p.grad for p in self.params]
         flat = self.flat.flatten(grads).div_(dist.get_world_size(self.group))  # averaged as DataParallel averages
         for p in self.params:
             p.grad = None
         self.free()
-        out = flat.new_empty(self.flat.shard_numel)
         with trace.tags(unit=self.name):
+            if self.replicated:
+                return flat, comm.all_reduce(flat, group=self.group, async_op=True)
+            out = flat.new_empty(self.flat.shard_numel)
             return out, comm.reduce_scatter(out, flat, group=self.group, async_op=True)
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        """This rank's ``piece`` of the unit (its shard, or the shard's gradient) and every other rank's, end to end:
+        the padded flat unit (all-gathered; every rank of the group must call it, unless replicated)."""
+        if self.replicated:
+            return piece
+        flat = piece.new_empty(self.flat.padded)
+        comm.all_gather(flat, piece, group=self.group)
+        return flat
 
 
 def _neighbour(order: list[ShardedUnit], unit: ShardedUnit, offset: int) -> ShardedUnit | None:
@@ -164,9 +231,23 @@ class FullyShardedDataParallel(nn.Module):
     At construction rank 0's parameters and buffers are broadcast over ``group``, then ``units(module)`` (default:
     :func:`children_with_params`) picks the units (see :func:`shard_plan` for tied parameters) and every unit's
     trainable parameters are sharded. ``parameters()`` are the shards alone, so ``torch.optim.AdamW(fsdp.parameters())``
-    updates this rank's slices: the module is kept as a plain attribute, not a registered submodule, so its full
-    parameters (views into buffers that are mostly freed) stay out; its own parameters remain real leaves, whose
-    gradient hooks find out when a unit's gradients are complete. Move the module to its device before wrapping.
+    updates this rank's slices: the module is kept as a plain attribute, not a registered submodule, so its
+    parameters (views into the shards or into full buffers that are mostly freed) stay out; they remain real leaves,
+    whose gradient hooks find out when a unit's gradients are complete. Move the module to its device before
+    wrapping. ``replicate(module)`` picks modules whose trainable parameters stay whole on every rank (the norms,
+    say): one more unit, never sharded, whose gradients are all-reduced and averaged as DataParallel's are.
+
+    The module's parameters are, as FSDP's original parameters (``use_orig_params``) are, views into the flat
+    shards outside forward and backward (Zhao et al. 2023, §3): each is the 1-D piece of its flattened values that
+    this rank holds (whole when replicated, empty where other ranks hold it all) and, once a backward has finished,
+    its ``.grad`` is that piece of the averaged gradient, in the shards' dtype (the master weights', under
+    ``compute_dtype``); so ``p.grad.shape == p.shape`` for every parameter, and a replicated one's is its own whole
+    gradient. Between a forward and the end of its backward each is a view of its own shape into its unit's full
+    buffer, in ``compute_dtype``. :meth:`full_grads` gathers every gradient whole when asked (:meth:`full_params` the
+    parameters). Unlike FSDP2, whose parameters are DTensors of their own global shape sharded on dim 0, a
+    parameter here is a range of a unit's flat buffer, so between steps its shape is its piece's; the pieces are
+    views of the shards' gradients as the last backward left them (zeroed with the shards' by ``zero_grad
+    (set_to_none=False)``; after ``set_to_none`` they keep the old values until the next forward drops them).
 
     ``reshard_after_forward`` frees a unit's full parameters after its forward (gathered again for backward);
     ``prefetch`` starts the next unit's all-gather while a unit computes (in forward the order of the previous
@@ -195,6 +276,7 @@ class FullyShardedDataParallel(nn.Module):
         compute_dtype: torch.dtype | None = None,
         group: Group = None,
         find_unused_parameters: bool = False,
+        replicate: Policy | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "module", module)  # not registered: its full parameters are not ours to offer
@@ -208,14 +290,18 @@ class FullyShardedDataParallel(nn.Module):
                 if not p.requires_grad:
                     p.data = p.data.to(compute_dtype)
             module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        plan = shard_plan(module, units or children_with_params)
+        kept = replicated_params(module, replicate)
+        plan = shard_plan(module, units or children_with_params, kept)
         self.units = [ShardedUnit(name, m, params, group, compute_dtype) for name, m, params in plan]
+        if kept:  # first, so that its all-reduce is started last and never holds up a reduce-scatter
+            self.units.insert(0, ShardedUnit(REPLICATED, module, kept, group, compute_dtype, replicated=True))
         self.shards = nn.ParameterList(unit.shard for unit in self.units)
         self.ready = ReadyGroups([unit.params for unit in self.units], self._unit_ready)
         self._in_flight: list[tuple[ShardedUnit, torch.Tensor, comm.Handle]] = []
         self._ready: set[int] = set()
         self._issued = 0  # reduce-scatters started in this backward, in the order of reversed(self.units)
         self._forward_order, self._pre_order, self._post_order = list(self.units), [], []
+        self._full_views, self._backward_due = False, False
         self.end_of_backward = EndOfBackward(self._end_backward)
         module.register_forward_pre_hook(self._begin_forward)
         module.register_forward_hook(self._end_forward)
@@ -251,6 +337,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def _begin_forward(self, _module: nn.Module, _args: tuple) -> None:
         self._pre_order, self._post_order = [], []
+        self._use_full_views(True)
+
+    def _use_full_views(self, full: bool) -> None:
+        """Make the module's parameters views of their own shape into the full buffers (``full``) or their pieces
+        of the shards, with the shards' gradients (see the class)."""
+        if full != self._full_views:
+            for unit in self.units:
+                unit.use_full() if full else unit.use_shard()
+            self._full_views = full
 
     def _before_forward(self, unit: ShardedUnit, _module: nn.Module, _args: tuple) -> None:
         unit.ensure_gathered()
@@ -272,6 +367,9 @@ class FullyShardedDataParallel(nn.Module):
     def _end_forward(self, _module: nn.Module, _args: tuple, output) -> None:
         self._forward_order = self._pre_order
         self.end_of_backward.watch(output)
+        self._backward_due |= any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+        if not self._backward_due:  # evaluation: no backward to keep the full views for
+            self._use_full_views(False)
 
     # -- backward ------------------------------------------------------------------------------------------
     def _before_backward(self, unit: ShardedUnit, _grad: torch.Tensor) -> None:
@@ -283,13 +381,14 @@ class FullyShardedDataParallel(nn.Module):
         """Unit ``i``'s gradients are complete: start every reduce-scatter whose turn has come."""
         self._ready.add(i)
         while (turn := len(self.units) - 1 - self._issued) in self._ready:
-            self._in_flight.append((self.units[turn], *self.units[turn].reduce_scatter()))
+            self._in_flight.append((self.units[turn], *self.units[turn].reduce()))
             self._issued += 1
 
     def _end_backward(self) -> None:
         """Autograd's last act in a backward (Zhao et al. 2023, §3: FSDP's post-backward): settle the units whose
         gradients did not all come (zeros with ``find_unused_parameters``, an error naming them without), free
-        every unit, wait for the reduce-scatters and add the averaged slices to the shards' gradients."""
+        every unit, wait for the reduce-scatters, add the averaged slices to the shards' gradients and make the
+        module's parameters their pieces of the shards, with those of the gradients as ``.grad``."""
         missing = [p for unit in self.units for p in unit.params if id(p) not in self.ready.arrived]
         self.ready.reset()
         if self.find_unused_parameters:
@@ -303,6 +402,8 @@ class FullyShardedDataParallel(nn.Module):
             handle.wait()
             grad = out.to(unit.shard.dtype)
             unit.shard.grad = grad if unit.shard.grad is None else unit.shard.grad.add_(grad)
+        self._backward_due = False
+        self._use_full_views(False)
         if missing and not self.find_unused_parameters:
             raise no_gradient_error(
                 [self._names[id(p)] for p in missing],
@@ -312,24 +413,47 @@ class FullyShardedDataParallel(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing left to do, and nothing sent: every ``backward()`` has already added the averaged slices to the
-        shards' gradients (:meth:`_end_backward`). Kept for training loops written for a wrapper that needs the call
-        (CS336's assignment asks for one); calling it once, twice or never gives the same step."""
+        shards' gradients and given each module parameter its piece as ``.grad`` (:meth:`_end_backward`). Kept for
+        training loops written for a wrapper that needs the call (CS336's assignment asks for one); calling it once,
+        twice or never gives the same step."""
 
     def local_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
         """Each unit's flat layout with this rank's shard of it: what :mod:`course_lib.runtime.checkpoint` saves,
         layout-free, as pieces of each parameter (and of its optimizer state, keyed by the shard)."""
         return [(unit.flat, unit.shard) for unit in self.units]
 
+    def checkpoint_holdings(self) -> list[Held]:
+        """Each trainable parameter as :mod:`course_lib.runtime.checkpoint` places it: whole in its own shape, held
+        as the pieces :meth:`local_shards` lays out (whatever form the module's parameters have now)."""
+        return [
+            Held(self._names[id(p)], like, tuple(like.shape), whole(like.shape))
+            for unit in self.units
+            for p, like in zip(unit.params, unit.flat.params, strict=True)
+        ]
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the module whole, by its name there, in the shards' dtype, on the CPU (every rank of
         the group must call it: it all-gathers each unit's shards)."""
-        whole = dict(self._frozen)
+        whole_params = dict(self._frozen)
         with trace.tags(phase="final"):
             for unit in self.units:
-                flat = unit.shard.new_empty(unit.flat.padded)
-                comm.all_gather(flat, unit.shard.detach(), group=self.group)
-                whole |= {id(p): value for p, value in zip(unit.params, split_like(flat, unit.params), strict=True)}
-        return {name: whole[id(p)].detach().cpu().clone() for name, p in self.module.named_parameters()}
+                values = split_like(unit.whole(unit.shard.detach()), unit.flat.params)
+                whole_params |= {id(p): value for p, value in zip(unit.params, values, strict=True)}
+        return {name: whole_params[id(p)].detach().cpu().clone() for name, p in self.module.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's gradient whole, in its own shape, by its name in the module, in the shards'
+        dtype, on the CPU: FSDP1's ``summon_full_params(with_grads=True)``, FSDP2's ``full_tensor()`` of each
+        ``.grad``. Every rank of the group must call it: it all-gathers each sharded unit's gradient slices (a
+        collective tagged ``phase="full_grads"``, outside any training step's bytes). A unit with no gradient yet is
+        left out."""
+        grads = {}
+        with trace.tags(phase="full_grads"):
+            for unit in self.units:
+                if unit.shard.grad is not None:
+                    values = split_like(unit.whole(unit.shard.grad), unit.flat.params)
+                    grads |= {self._names[id(p)]: g.cpu().clone() for p, g in zip(unit.params, values, strict=True)}
+        return grads
 
 
 def gpt_blocks(model: TinyGPT) -> list[nn.Module]:

@@ -16,6 +16,12 @@ ends with the SHA-256 of the rest of itself, so a damaged manifest is named as s
 (:func:`course_lib.runtime.checkpoint.find`): every listed file is there, of its size (a stat, nothing read), then
 each file's SHA-256 (every byte read once). A checkpoint without a manifest, written before there were any or with
 its manifest lost, is refused: nothing could tell it from a damaged one.
+
+**Cost**, measured on this 2-core machine (shared, load about 8) with zero3 on 2 ranks in float32: the course's tiny
+GPT (``GPTConfig()``, a 1.5 MB checkpoint) takes 12 ms to write its manifest (a third of it the fsync) and 2-6 ms to
+check it before a resume (a resume's whole run: 1.6 s); a save's write went from a median of 131 ms without to 151 ms
+with (32 saves each; the quartiles overlap). Lesson 08's d_model 256 x 4 layers (38.7 MB): 60-90 ms to write, 55 ms
+to check, about the 49 ms of reading its files once.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ FORMAT = "course_lib.runtime.checkpoint.manifest/1"
 
 
 def _dumps(value: dict) -> str:
-    """The one way a manifest is written, so that a reader can hold its bytes to it."""
-    return json.dumps(value, indent=1, sort_keys=True)
+    """The one way a manifest is written, so that a reader can hold its bytes to it: one line (``indent`` would
+    take Python's own encoder instead of the C one, 7 ms for the tiny GPT's manifest instead of 0.3)."""
+    return json.dumps(value, sort_keys=True)
 
 
 def _sha256(file: Path) -> str:

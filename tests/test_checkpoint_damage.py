@@ -215,20 +215,22 @@ def test_a_resume_from_the_folder_falls_back_to_the_newest_intact_checkpoint(sav
 
 
 def test_auto_resume_says_which_checkpoint_it_skipped_and_why(saved, tmp_path, capsys):
-    """--auto-resume walks back past a damaged step-4 and an unfinished save of step 6, says so, and its own save of
-    step 4 replaces the damaged one."""
+    """--auto-resume walks back past an unreadable step-6, an unfinished save of step 6 and a truncated step-4, says
+    so, and its own save of step 4 replaces the damaged one."""
     copy = tmp_path / "ckpt"
     shutil.copytree(saved[1], copy)
     reason = DAMAGE["shard-truncated"](copy / "step-4")
     (copy / ".step-6.partial").mkdir()
+    (copy / "step-6").write_text("")  # a file where a checkpoint folder should be
     report = tmp_path / "resumed.json"
     saving = ["--checkpoint-dir", str(copy), "--checkpoint-every", "2", "--auto-resume", "--json", str(report)]
     assert main([*COMMON, *saving]) == 0
     said = capsys.readouterr().out
     assert json.loads(report.read_text())["losses"] == saved[0].report["losses"][2:]
     assert (
-        f"  resumed from {copy / 'step-2'} (step 2, saved by zero3 on 2); skipped {copy / '.step-6.partial'}: an "
-        f"unfinished save; skipped {copy / 'step-4'}: {reason}\n" in said
+        f"  resumed from {copy / 'step-2'} (step 2, saved by zero3 on 2); skipped {copy / 'step-6'}: meta.json cannot "
+        f"be read (Not a directory); skipped {copy / '.step-6.partial'}: an unfinished save; "
+        f"skipped {copy / 'step-4'}: {reason}\n" in said
     ), said
     assert checkpoint.problem(copy / "step-4") is None
 

@@ -372,8 +372,12 @@ def read_meta(path: str | os.PathLike) -> dict:
 def problem(path: str | os.PathLike) -> str | None:
     """Why the checkpoint folder ``path`` cannot be resumed from, in one line naming the file (relative to
     ``path``): a damaged, truncated or missing file, a bad ``meta.json``, no manifest; None when it is intact
-    (:func:`course_lib.runtime.checkpoint_manifest.problem`)."""
-    return _meta(Path(path))[1] or checkpoint_manifest.problem(path)
+    (:func:`course_lib.runtime.checkpoint_manifest.problem`), or a file that cannot be read."""
+    try:
+        return _meta(Path(path))[1] or checkpoint_manifest.problem(path)
+    except OSError as error:  # a failing disk, permissions, a file where the folder should be
+        where = os.path.relpath(error.filename, path) if error.filename else "a file"
+        return f"{where} cannot be read ({error.strerror or error})"
 
 
 def _entries(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[int, Path]]:

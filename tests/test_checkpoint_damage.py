@@ -100,6 +100,17 @@ def step_as_text(meta: dict) -> str:
     return f"{checkpoint.META}: 'step' is str '4', not int"
 
 
+def other_format(meta: dict) -> str:
+    meta["format"] = "course_lib.runtime.checkpoint/1"  # which had no model_factory: the format is named first
+    del meta["model_factory"]
+    return f"{checkpoint.META}: format 'course_lib.runtime.checkpoint/1', not this course's {checkpoint.FORMAT}"
+
+
+def meta_a_list(folder) -> str:
+    (folder / checkpoint.META).write_text("[]")
+    return f"{checkpoint.META} holds a JSON list, not an object"
+
+
 def cut(file: str, keep):
     """Damage: ``file`` cut to ``keep(size)`` bytes."""
 
@@ -165,6 +176,8 @@ DAMAGE = {
     "meta-json-not-json": meta_cut_in_half,
     "meta-json-key-missing": edit_meta(drop_model_config),
     "meta-json-wrong-type": edit_meta(step_as_text),
+    "meta-json-other-format": edit_meta(other_format),
+    "meta-json-a-list": meta_a_list,
     "no-manifest": remove(
         MANIFEST,
         f"no {MANIFEST}, so nothing proves it intact (checkpoints written before issue 37 have none): train again, "

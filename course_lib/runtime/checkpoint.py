@@ -356,8 +356,8 @@ def _meta(path: Path) -> tuple[dict | None, str | None]:
         if isinstance(meta[field], bool) or not isinstance(meta[field], kind):
             wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
             return None, f"{META}: {field!r} is {type(meta[field]).__name__} {meta[field]!r}, not {wanted}"
-    if meta["format"] != FORMAT:
-        return None, f"{META}: format {meta['format']!r}, not this course's {FORMAT}"
+        if field == "format" and meta[field] != FORMAT:  # before the other fields, which another format may lack
+            return None, f"{META}: format {meta['format']!r}, not this course's {FORMAT}"
     return meta, None
 
 
@@ -371,8 +371,8 @@ def read_meta(path: str | os.PathLike) -> dict:
 
 def problem(path: str | os.PathLike) -> str | None:
     """Why the checkpoint folder ``path`` cannot be resumed from, in one line naming the file (relative to
-    ``path``): a damaged, truncated or missing file, a bad ``meta.json``, no manifest; None when it is intact
-    (:func:`course_lib.runtime.checkpoint_manifest.problem`), or a file that cannot be read."""
+    ``path``): a bad ``meta.json``, no manifest, a file missing, truncated or damaged
+    (:func:`course_lib.runtime.checkpoint_manifest.problem`), or one that cannot be read; None when it is intact."""
     try:
         return _meta(Path(path))[1] or checkpoint_manifest.problem(path)
     except OSError as error:  # a failing disk, permissions, a file where the folder should be

@@ -208,8 +208,8 @@ def _fault(args) -> Fault | None:
 
 
 def _resume(args) -> str | None:
-    """The checkpoint to resume from: ``--resume D``, or with ``--auto-resume`` the newest in ``--checkpoint-dir``
-    (None when it holds none yet: the job's first start)."""
+    """The checkpoint to resume from: ``--resume D``, or with ``--auto-resume`` the folder ``--checkpoint-dir``,
+    whose newest intact checkpoint the harness takes (None when it holds none yet: the job's first start)."""
     if not args.auto_resume:
         return args.resume
     if args.resume is not None or args.checkpoint_dir is None:
@@ -219,15 +219,16 @@ def _resume(args) -> str | None:
         )
     from course_lib.runtime import checkpoint
 
-    newest = checkpoint.latest(args.checkpoint_dir)
-    if newest is None and (left := checkpoint.unfinished(args.checkpoint_dir)):
+    if checkpoint.complete(args.checkpoint_dir):
+        return args.checkpoint_dir
+    if left := checkpoint.skipped_saves(args.checkpoint_dir, -1):
         say(args, f"no complete checkpoint in {args.checkpoint_dir} to resume from: starting at step 0{_skipped(left)}")
-    return None if newest is None else str(newest)
+    return None
 
 
-def _skipped(saves) -> str:
-    """``; skipped <folder>: an unfinished save`` for each of ``saves``: what a resume left behind."""
-    return "".join(f"; skipped {path}: an unfinished save" for path in saves)
+def _skipped(saves: list[dict]) -> str:
+    """``; skipped <folder>: <why>`` for each of ``saves``: what a resume passed over (unfinished or damaged)."""
+    return "".join(f"; skipped {s['path']}: {s['why']}" for s in saves)
 
 
 def _loss_scale(text: str) -> str | float | None:

@@ -14,11 +14,19 @@ state is saved anyway (``rng.rank<r>``) and restored when the world size is the 
 dropout.
 
 **Atomic.** A checkpoint of the state after n steps is the folder ``step-<n>``: written into ``.step-<n>.partial``
-beside it, then ``meta.json`` (rank 0), then renamed. A crash before the rename leaves the previous checkpoints as
-they were and a ``.partial`` folder that nothing reads (the next save of that step clears it). The Llama 3 report
-(§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be half-written will be. So a failed
-run says which checkpoints are complete and which save was in flight (:func:`survey`, which the harness adds to the
-run's error), and a resume names the unfinished saves of later steps it skipped (:func:`skipped_saves`).
+beside it, then ``meta.json`` and ``manifest.json`` (rank 0), then renamed. A crash before the rename leaves the
+previous checkpoints as they were and a ``.partial`` folder that nothing reads (the next save of that step clears
+it). The Llama 3 report (§3.3.4) counts 419 unexpected interruptions in 54 days: a checkpoint that can be
+half-written will be. So a failed run says which checkpoints are complete and which save was in flight
+(:func:`survey`, which the harness adds to the run's error), and a resume names the unfinished saves of later steps
+it skipped (:func:`skipped_saves`).
+
+**Proven before it is loaded.** A complete checkpoint can still be damaged afterwards (a flipped bit, a truncated
+copy, an edited ``meta.json``). The manifest (:mod:`course_lib.runtime.checkpoint_manifest`: each file's size and
+SHA-256, each tensor chunk's CRC-32) is checked with ``meta.json``'s fields by :func:`problem`, in the launching
+process before any rank starts (:func:`find`, from :func:`plan_for`): a damaged checkpoint named to resume from is
+refused in one line naming the file and what is wrong; a resume from a folder of checkpoints (``--auto-resume``)
+walks back from the newest to the newest intact one and names each it passed over and why.
 
 **The loop.** :func:`course_lib.parallel.data.train_loop`, the one step body of every scheme, calls :func:`load`
 before its first step and saves after each optimizer step that :meth:`CheckpointPlan.due` names (a :class:`Saver`:
@@ -47,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.ledgers import trace
-from course_lib.runtime import faults, launch
+from course_lib.runtime import checkpoint_manifest, faults, launch
 from course_lib.runtime.checkpoint_state import Pieces, dcp_planners, training_state
 
 FORMAT = "course_lib.runtime.checkpoint/2"  # 2: tensors in their one-device shapes (1: flattened)
@@ -55,6 +63,17 @@ META = "meta.json"
 TRAIN_FIELDS = ("batch", "lr", "weight_decay", "adam_eps", "seed", "dtype")  # all of TrainConfig that the path needs
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL_DIR = re.compile(r"\.step-(\d+)\.partial")
+UNFINISHED = "an unfinished save"  # why a resume passes over a .partial folder
+# The fields of meta.json that loading reads, and their types (describe writes them).
+_META_TYPES = {
+    "format": str,
+    "step": int,
+    "scheme": str,
+    "world_size": int,
+    "model_config": dict,
+    "model_factory": (str, type(None)),
+    "train": dict,
+}
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -70,7 +89,7 @@ class CheckpointPlan:
     resume: str | None = None
     start: int = 0  # the first step to run: the resumed checkpoint's step
     asynchronous: bool = False  # write in the background (:class:`Saver`)
-    skipped: tuple[str, ...] = ()  # unfinished saves of later steps beside ``resume`` (:func:`skipped_saves`)
+    skipped: tuple[dict, ...] = ()  # what the resume passed over, each {"path", "why"} (:func:`find`)
 
     def due(self, step: int) -> bool:
         """Save after step ``step`` (from 0)? After every ``every``-th optimizer step: (step + 1) % every == 0."""
@@ -132,14 +151,16 @@ def _prepare(plan: CheckpointPlan, step: int) -> Path:
 
 
 def _publish(plan: CheckpointPlan, step: int) -> Path:
-    """Rank 0, once every rank's shards of ``step`` and DCP's ``.metadata`` are written: add ``meta.json`` and
-    rename the ``.partial`` folder into place (module docstring)."""
+    """Rank 0, once every rank's shards of ``step`` and DCP's ``.metadata`` are written: add ``meta.json`` and the
+    manifest of every file's checksums (:mod:`course_lib.runtime.checkpoint_manifest`), and rename the ``.partial``
+    folder into place (module docstring)."""
     target, partial = _folders(plan, step)
     meta = {"format": FORMAT, **plan.meta, "step": step}
     with open(partial / META, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    checkpoint_manifest.write(partial)
     if target.exists():  # the same step saved by an earlier run: set it aside, then drop it
         aside = target.parent / f".step-{step}.old"
         shutil.rmtree(aside, ignore_errors=True)
@@ -319,19 +340,44 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 # ------------------------------------------------------------------------------------------------ the harness's side
-def read_meta(path: str | os.PathLike) -> dict:
-    """The ``meta.json`` of checkpoint folder ``path``; a ValueError if it is not one."""
-    path = Path(path)
+def _meta(path: Path) -> tuple[dict | None, str | None]:
+    """The ``meta.json`` of checkpoint folder ``path``, or what is wrong with it in a few words naming it."""
     try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, ValueError):
-        meta = None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not (path / ".metadata").is_file():
-        raise ValueError(
-            f"{path} is not a checkpoint of this course (a folder with {META} of format {FORMAT} and DCP's "
-            f".metadata, as run --checkpoint-dir writes them as step-<n>)"
-        )
+        meta = json.loads((path / META).read_bytes())
+    except FileNotFoundError:
+        return None, f"missing file {META}"
+    except ValueError as error:
+        return None, f"{META} is not valid JSON ({error}): damaged"
+    if not isinstance(meta, dict):
+        return None, f"{META} holds a JSON {type(meta).__name__}, not an object"
+    for field, kind in _META_TYPES.items():
+        if field not in meta:
+            return None, f"{META}: missing {field!r}"
+        if isinstance(meta[field], bool) or not isinstance(meta[field], kind):
+            wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            return None, f"{META}: {field!r} is {type(meta[field]).__name__} {meta[field]!r}, not {wanted}"
+        if field == "format" and meta[field] != FORMAT:  # before the other fields, which another format may lack
+            return None, f"{META}: format {meta['format']!r}, not this course's {FORMAT}"
+    return meta, None
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``meta.json`` of checkpoint folder ``path``; a ValueError if it is not one (or is damaged)."""
+    meta, why = _meta(Path(path))
+    if why:
+        raise ValueError(f"{path} is not a checkpoint this course can read: {why}")
     return meta
+
+
+def problem(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, in one line naming the file (relative to
+    ``path``): a bad ``meta.json``, no manifest, a file missing, truncated or damaged
+    (:func:`course_lib.runtime.checkpoint_manifest.problem`), or one that cannot be read; None when it is intact."""
+    try:
+        return _meta(Path(path))[1] or checkpoint_manifest.problem(path)
+    except OSError as error:  # a failing disk, permissions, a file where the folder should be
+        where = os.path.relpath(error.filename, path) if error.filename else "a file"
+        return f"{where} cannot be read ({error.strerror or error})"
 
 
 def _entries(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[int, Path]]:
@@ -344,14 +390,9 @@ def _entries(directory: str | os.PathLike, pattern: re.Pattern) -> list[tuple[in
 
 
 def complete(directory: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints (``step-<n>`` folders with their ``meta.json``) in ``directory``, oldest first."""
-    return [entry for _, entry in _entries(directory, _STEP_DIR) if (entry / META).is_file()]
-
-
-def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (``step-<n>`` with the largest n) in ``directory``, or None."""
-    found = complete(directory)
-    return found[-1] if found else None
+    """The complete checkpoints in ``directory``, the saves renamed into place as ``step-<n>`` (intact or not:
+    :func:`problem`), oldest first."""
+    return [entry for _, entry in _entries(directory, _STEP_DIR)]
 
 
 def unfinished(directory: str | os.PathLike) -> dict[Path, tuple[int, int]]:
@@ -380,27 +421,55 @@ def survey(directory: str | os.PathLike, before: dict[Path, tuple[int, int]]) ->
     return f"checkpoints in {directory}: {'; '.join(said)}"
 
 
-def skipped_saves(path: str | os.PathLike, step: int) -> list[Path]:
-    """The unfinished saves beside the checkpoint folder ``path`` (of ``step``) of later steps: what a resume from it
-    leaves behind."""
-    return [entry for n, entry in _entries(Path(path).parent, _PARTIAL_DIR) if n > step]
+def skipped_saves(directory: str | os.PathLike, step: int) -> list[dict]:
+    """The unfinished saves in ``directory`` of steps after ``step``, newest first, each ``{"path", "why"}``: what a
+    resume from the checkpoint of ``step`` leaves behind."""
+    return [
+        {"path": str(entry), "why": UNFINISHED} for n, entry in reversed(_entries(directory, _PARTIAL_DIR)) if n > step
+    ]
 
 
-def find(path: str | os.PathLike) -> Path:
-    """The checkpoint ``path`` names: that folder if it is a checkpoint, else the newest one inside it."""
+def _newest_intact(directory: Path) -> tuple[Path | None, list[dict]]:
+    """The newest intact checkpoint in ``directory`` (or None), and the saves passed over on the way back to it,
+    newest first, each ``{"path", "why"}``: unfinished, or damaged (:func:`problem`)."""
+    saves = _entries(directory, _STEP_DIR) + _entries(directory, _PARTIAL_DIR)
+    skipped = []
+    for _, entry in sorted(saves, key=lambda save: (save[0], _STEP_DIR.fullmatch(save[1].name) is not None))[::-1]:
+        why = UNFINISHED if _PARTIAL_DIR.fullmatch(entry.name) else problem(entry)
+        if why is None:
+            return entry, skipped
+        skipped.append({"path": str(entry), "why": why})
+    return None, skipped
+
+
+def find(path: str | os.PathLike) -> tuple[Path, list[dict]]:
+    """The checkpoint ``path`` names and what the resume passes over (each ``{"path", "why"}``): that folder if it
+    is a checkpoint, refused if it is damaged (:func:`problem`), and the unfinished saves of later steps beside it;
+    else the newest intact checkpoint inside it, and the later saves, unfinished or damaged, walked back over. A
+    ValueError in one line when there is none."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"cannot resume from {path}: no such file or folder")
-    if (path / META).is_file():
-        return path
-    newest = latest(path)
-    if newest is None:
-        left = ", ".join(str(entry) for entry in unfinished(path))
+    if _STEP_DIR.fullmatch(path.name) or any(
+        (path / name).exists() for name in (META, checkpoint_manifest.MANIFEST, ".metadata")
+    ):
+        if why := problem(path):
+            raise ValueError(f"cannot resume from {path}: {why}")
+        return path, skipped_saves(path.parent, read_meta(path)["step"])
+    newest, skipped = _newest_intact(path)
+    if newest is not None:
+        return newest, skipped
+    if damaged := [s for s in skipped if s["why"] != UNFINISHED]:
         raise ValueError(
-            f"cannot resume from {path}: it is not a checkpoint and holds none (no step-<n> folder with {META}; "
-            + (f"only unfinished saves: {left})" if left else "a save that crashed leaves only .step-<n>.partial)")
+            f"cannot resume from {path}: none of its checkpoints is intact: "
+            + "; ".join(f"{s['path']}: {s['why']}" for s in damaged)
+            + " (move them aside to start at step 0)"
         )
-    return newest
+    left = ", ".join(str(entry) for entry in unfinished(path))
+    raise ValueError(
+        f"cannot resume from {path}: it is not a checkpoint and holds none (no step-<n> folder; "
+        + (f"only unfinished saves: {left})" if left else "a save that crashed leaves only .step-<n>.partial)")
+    )
 
 
 def stored_chunks(path: str | os.PathLike) -> list[tuple[str, int, int]]:
@@ -465,7 +534,7 @@ def plan_for(
     meta = describe(scheme, world_size, cfg, train, model)
     if resume is None:
         return CheckpointPlan(meta, str(directory), every, asynchronous=asynchronous)
-    path = find(resume)
+    path, skipped = find(resume)
     saved = read_meta(path)
     wrong = [
         f"{field}={saved['model_config'].get(field)!r} (this run: {value!r})"
@@ -488,7 +557,12 @@ def plan_for(
             f"cannot resume from {path}: it holds the state after {saved['step']} steps, and this run has "
             f"{train.steps}, so nothing is left to train; ask for more than {saved['step']} steps"
         )
-    skipped = tuple(str(entry) for entry in skipped_saves(path, saved["step"]))
     return CheckpointPlan(
-        meta, None if directory is None else str(directory), every, str(path), saved["step"], asynchronous, skipped
+        meta,
+        None if directory is None else str(directory),
+        every,
+        str(path),
+        saved["step"],
+        asynchronous,
+        tuple(skipped),
     )

@@ -490,8 +490,8 @@ def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:
 
 
 def _checkpoint_notes(plan: checkpoint.CheckpointPlan | None, result: launch.RunResult) -> dict:
-    """The report's ``resumed_from`` (with the unfinished saves of later steps the resume skipped) and
-    ``checkpoints`` entries, when the run resumed or saved."""
+    """The report's ``resumed_from`` (with the checkpoints of later steps the resume skipped, unfinished or damaged,
+    each with why) and ``checkpoints`` entries, when the run resumed or saved."""
     notes: dict = {}
     if plan is not None and plan.resume is not None:
         saved = checkpoint.read_meta(plan.resume)

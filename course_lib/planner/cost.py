@@ -8,6 +8,7 @@ Narayanan et al. 2021, §2.2, §3.3, §5.1; Korthikanti et al. 2022, §4-5; the 
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile
@@ -197,24 +198,84 @@ def cp_comm_exposed(model: Model, c: Candidate, micro_batch: int, net: Network, 
 def dispatch_bytes(model: Model, c: Candidate | Layout, micro_batch: int, value_bytes: float = 2) -> float:
     """What one rank hands one of expert parallelism's all-to-alls (dispatch or combine) for one microbatch, in
     bytes (:mod:`course_lib.ledgers.comm`'s S): its tokens, b x s / (cp x tp) (sequence parallelism and CP split them),
-    top_k copies each, h values a copy of ``value_bytes`` each (GShard, Lepikhin et al. 2021, §3.2): 2 in bf16, what
-    the planner assumes both ways; DeepSeek-V3 dispatches in FP8, 1 byte, and combines in BF16, 2 (§3.3). Under
-    uniform routing (ep-1)/ep of it leaves the rank (:func:`course_lib.ledgers.comm.ring_factor`)."""
+    top_k copies each, h values a copy of ``value_bytes`` each (GShard, Lepikhin et al. 2021, §3.2): 2 in bf16;
+    DeepSeek-V3 dispatches in FP8, 1 byte, and combines in BF16, 2 (§3.3.3; the experts' ``dispatch_bytes`` and
+    ``combine_bytes``). Under uniform routing (ep-1)/ep of it leaves the rank
+    (:func:`course_lib.ledgers.comm.ring_factor`)."""
     tokens = micro_batch * model.seq / (c.cp * c.tp)
     return value_bytes * tokens * model.experts.top_k * model.hidden
 
 
-def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:
-    """Expert parallelism's all-to-alls, not overlapped (1F1B; DeepSeek-V3's DualPipe hides them behind another
-    microbatch's compute, §3.2.1). Per MoE layer and microbatch four: dispatch and combine, forward and
-    backward (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2), each of
-    :func:`dispatch_bytes`, timed as an all-to-all on the EP group's slowest link
-    (:func:`course_lib.cluster.clock.collective_time`)."""
+PAIRS_F_AND_B = ("dualpipev",)  # schedules that run one microbatch's forward beside another's backward
+
+
+@cache
+def ep_links(tp: int, pp: int, dp: int, cp: int, ep: int, domain: int) -> tuple[int, tuple, tuple]:
+    """The most nodes (of ``domain`` GPUs, rank r on GPU r) an EP group of the layout spans; the groups of one
+    member per node at the same place in its node's share (the rails InfiniBand carries a token on); and each
+    node's share of a group (what NVLink forwards within). Groups of one GPU, which send nothing, are left out;
+    a group that straddles racks unevenly (a topology's 72-GPU domains) has shorter rails at its short end."""
+    per_node = []
+    for g in groups(tp, pp, dp, cp, ep)["ep"]:
+        nodes: dict[int, list[int]] = {}
+        for r in g:
+            nodes.setdefault(r // domain, []).append(r)
+        per_node.append(list(nodes.values()))
+    rails = (tuple(n[i] for n in g if i < len(n)) for g in per_node for i in range(max(map(len, g))))
+    local = (tuple(n) for g in per_node for n in g)
+    return max(map(len, per_node)), tuple(r for r in rails if len(r) > 1), tuple(n for n in local if len(n) > 1)
+
+
+def ep_transfer(model: Model, c: Candidate, micro_batch: int, net: Network, value_bytes: float) -> float:
+    """Seconds of one all-to-all of expert parallelism, each value ``value_bytes``, for one microbatch and MoE
+    layer: a rank hands it :func:`dispatch_bytes`.
+
+    Inside one node (or without node-limited routing) an all-to-all on the EP group's slowest link. With
+    node-limited routing (:attr:`~course_lib.planner.presets.Experts.max_nodes`, DeepSeek-V3 §3.2.2) over an EP
+    group that spans nodes, a token crosses InfiniBand once per node it is sent to, at most min(top-k, M, the
+    group's nodes) copies, from each GPU to the same local rank of the other nodes (DeepEP's rails), and NVLink
+    forwards it to its top-k experts' GPUs in the node; the two run at once (§3.2.2: IB sends and NVLink forwards
+    overlap), so the transfer takes the longer of the two."""
+    e = model.experts
+    size = dispatch_bytes(model, c, micro_batch, value_bytes)
+    nodes, rails, local = ep_links(c.tp, c.pp, c.dp, c.cp, c.ep, net.domain)
+    if e.max_nodes is None or nodes == 1:
+        return net.time("all_to_all", groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"], size)
+    ib = net.time("all_to_all", rails, size * min(e.top_k, e.max_nodes, nodes) / e.top_k)
+    return max(ib, net.time("all_to_all", local, size) if local else 0.0)
+
+
+def paired_fraction(schedule: str, pp: int, microbatches: int) -> float:
+    """The share of a rank's forward chunks a schedule runs beside another microbatch's backward chunk, on the
+    rank with the fewest: DualPipeV's rank 0 pairs 2(m-2p+1) + p-1 = 2m-3p+1 of its 2m (steps 4 and 5 of
+    :func:`course_lib.parallel.schedules.generate`'s ``_dualpipe_v``; DeepSeek-AI 2024, §3.2.1); none in 1F1B,
+    ZB-H1 or the interleaved schedule, which run one chunk at a time."""
+    if schedule not in PAIRS_F_AND_B:
+        return 0.0
+    return max(0.0, (2 * microbatches - 3 * pp + 1) / (2 * microbatches))
+
+
+def ep_comm(model: Model, c: Candidate, micro_batch: int, net: Network, precision: str = "mixed") -> float:
+    """Expert parallelism's all-to-alls left exposed, per step on the slowest stage. Per MoE layer and microbatch
+    four (GShard, Lepikhin et al. 2021, §3.2; Switch Transformers, Fedus et al. 2022, §2.2), each an
+    :func:`ep_transfer`: forward dispatch and backward gradient to the experts at the experts' ``dispatch_bytes``
+    a value, forward combine and backward gradient back at ``combine_bytes`` (DeepSeek-V3 §3.3.3).
+
+    Run one chunk at a time (1F1B, ZB-H1, interleaved) they are all exposed. DualPipe(V) pairs one microbatch's
+    forward chunk with another's backward chunk and overlaps each one's all-to-alls with the other's compute
+    (DeepSeek-AI 2024, §3.2.1, Figure 4): on a paired chunk the forward's two hide behind the backward's compute
+    (2/3 of a layer's, :func:`schedule_costs`) and the backward's two behind the forward's (1/3), exposed =
+    max(0, all-to-all - compute) each; the unpaired chunks (:func:`paired_fraction`) expose theirs. The SMs
+    DeepSeek sets aside for communication (20 of 132, §3.2.2) are not taken from the compute."""
     if c.ep == 1:
         return 0.0
-    ranks = groups(c.tp, c.pp, c.dp, c.cp, c.ep)["ep"]
-    one = net.time("all_to_all", ranks, dispatch_bytes(model, c, micro_batch))
-    return 4 * model.moe_layers / c.pp * c.microbatches * one
+    e = model.experts
+    one_way = sum(ep_transfer(model, c, micro_batch, net, b) for b in (e.dispatch_bytes, e.combine_bytes))
+    layers = model.moe_layers / c.pp
+    paired = paired_fraction(c.schedule, c.pp, c.microbatches)
+    layer = layer_seconds(model, c, micro_batch, net.profile, precision)
+    hidden = max(0.0, one_way - 2 / 3 * layer) + max(0.0, one_way - 1 / 3 * layer)
+    return layers * c.microbatches * ((1 - paired) * 2 * one_way + paired * hidden)
 
 
 def dp_comm_exposed(model: Model, c: Candidate, compute_s: float, net: Network, precision: str) -> float:
@@ -256,7 +317,8 @@ def step_time(model: Model, c: Candidate, micro_batch: int, net: Network, precis
     """Time per step, in seconds, by part (the assumptions: ``course_lib.cluster.profiles.TIME_MODEL_ASSUMPTIONS``):
 
     * compute: the microbatches through the slowest stage (:func:`stage_seconds`);
-    * TP: :func:`tp_comm`; CP: what :func:`cp_comm_exposed` leaves exposed; EP: :func:`ep_comm`;
+    * TP: :func:`tp_comm`; CP: what :func:`cp_comm_exposed` leaves exposed; EP: what :func:`ep_comm` leaves
+      exposed;
     * bubble: the schedule's idle over busy time (:func:`course_lib.parallel.schedules.bubble_ratio`: (p-1)/m for
       1F1B, (p-1)/(v m) interleaved, (p-1)(F+B-W)/(m(F+B+W)) for ZB-H1) times a stage's work, its compute and its
       TP, CP and EP traffic (Narayanan et al. 2021, §2.2);
@@ -268,7 +330,7 @@ def step_time(model: Model, c: Candidate, micro_batch: int, net: Network, precis
         "compute_s": compute,
         "tp_comm_s": tp_comm(model, c, micro_batch, net),
         "cp_comm_exposed_s": cp_comm_exposed(model, c, micro_batch, net, precision),
-        "ep_comm_s": ep_comm(model, c, micro_batch, net),
+        "ep_comm_s": ep_comm(model, c, micro_batch, net, precision),
     }
     ratio = bubble_ratio(c.schedule, c.pp, c.microbatches, c.chunks, schedule_costs(c.recompute))
     parts["bubble_s"] = ratio * sum(parts.values())

@@ -209,21 +209,25 @@ def layouts(
                 eps = [1] if no_mp else ep_degrees(model, tp * cp * dp)
                 out += [
                     Layout(tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp=tp > 1, micro_batch=micro_batch)
-                    for schedule, chunks in pipeline_schedules(model.layers, pp, m)
+                    for schedule, chunks in pipeline_schedules(model.layers, pp, m, bool(model.experts))
                     for ep in eps
                     for zero in zeros
                 ]
     return out
 
 
-def pipeline_schedules(layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+def pipeline_schedules(layers: int, pp: int, microbatches: int, moe: bool = False) -> list[tuple[str, int]]:
     """(schedule, chunks) the search tries on a pipeline of ``pp`` stages with ``microbatches``: none but 1F1B's
     trivial one without a pipeline; else 1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1), ZB-H1 (Qi et al.
     2023, §3.1; at least p microbatches, as every layout here has) and interleaved 1F1B with each v of
-    :func:`interleave_chunks`: what the published runs the planner is checked against could run."""
+    :func:`interleave_chunks`: what the published runs the planner is checked against could run. For a mixture of
+    experts (``moe``) also DualPipeV where it can run (:func:`v_schedules`), the schedule DeepSeek-V3 trained
+    with, whose paired forward and backward hide the all-to-alls (DeepSeek-AI 2024, §3.2.1)."""
     if pp == 1:
         return [("1f1b", 1)]
-    return [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in interleave_chunks(layers, pp, microbatches)]
+    dualpipe = [("dualpipev", 1)] * (moe and "dualpipev" in v_schedules(layers, pp, microbatches))
+    interleaved = [("interleaved", v) for v in interleave_chunks(layers, pp, microbatches)]
+    return [("1f1b", 1), ("zb-h1", 1), *interleaved, *dualpipe]
 
 
 def v_schedules(layers: int, pp: int, microbatches: int) -> list[str]:

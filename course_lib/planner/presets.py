@@ -18,18 +18,31 @@ class Experts:
     """The mixture-of-experts FFN of a model: ``routed`` experts of which each token visits ``top_k`` (GShard,
     Lepikhin et al. 2021, §2.2; Switch Transformers, Fedus et al. 2022, §2.1), each a SwiGLU FFN ``ffn`` wide,
     ``shared`` experts every token visits (DeepSeekMoE; DeepSeek-V3 §2.1.2), in every layer but the first
-    ``dense_layers`` (DeepSeek-V3's 3), which keep a plain FFN."""
+    ``dense_layers`` (DeepSeek-V3's 3), which keep a plain FFN.
+
+    What expert parallelism's all-to-alls carry (:func:`course_lib.planner.cost.ep_comm`): ``dispatch_bytes`` a
+    value on the way to the experts (the forward's dispatch and the backward's gradient into the experts' down
+    projections), ``combine_bytes`` on the way back (the forward's combine and the backward's gradient out of the
+    up projections); 2 (BF16) unless a source says otherwise: DeepSeek-V3 dispatches in FP8 (1 byte; its one
+    scale per 128 values left out) and keeps both combines in BF16 (§3.3.3, "Low-Precision Communication").
+    ``max_nodes``: node-limited routing, each token sent to at most that many nodes (DeepSeek-V3's 4, §3.2.2);
+    None: no limit."""
 
     routed: int
     top_k: int
     ffn: int
     shared: int = 0
     dense_layers: int = 0
+    dispatch_bytes: float = 2
+    combine_bytes: float = 2
+    max_nodes: int | None = None
 
     def check(self, layers: int, ep: int = 1) -> None:
         """Refuse what cannot be built, saying what to change."""
         if self.routed < 1 or self.top_k < 1 or self.ffn < 1 or self.shared < 0:
             raise ValueError("experts, top-k and the expert FFN must be at least 1 (shared experts at least 0)")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"a token must reach at least 1 node, not max_nodes {self.max_nodes}")
         if self.top_k > self.routed:
             raise ValueError(f"top-k {self.top_k} is more than the {self.routed} experts: choose top-k <= experts")
         if not 0 <= self.dense_layers < layers:
@@ -186,7 +199,10 @@ _LLAMA3_405B = _llama(
     published={"tp": 8, "pp": 16, "dp": 128},
     source=_LLAMA3 + "; Table 4: on 16,384 H100s TP 8, CP 1, PP 16, DP 128, 16M tokens (2048 sequences) a batch",
 )
-_DEEPSEEK_V3 = Experts(routed=256, top_k=8, ffn=2048, shared=1, dense_layers=3)
+# FP8 dispatch, BF16 combine (§3.3.3); each token to at most 4 nodes (§3.2.2)
+_DEEPSEEK_V3 = Experts(
+    routed=256, top_k=8, ffn=2048, shared=1, dense_layers=3, dispatch_bytes=1, combine_bytes=2, max_nodes=4
+)
 _DEEPSEEK_V3_ATTENTION = mla_params(7168, 128, 128, 64, 1536, 512)
 _MIXTRAL = Experts(routed=8, top_k=2, ffn=16384)
 PRESETS = {
@@ -241,8 +257,9 @@ PRESETS = {
         "7168, 128 heads, MLA (kv rank 512, q rank 1536, head dim 128, RoPE dim 64), 1 shared + 256 routed experts "
         "of FFN 2048, top-8, the first 3 layers dense (FFN 18432), vocabulary 129,280 (§4.2); 4K sequences, batch "
         "15,360 (§4.2); trained on 2,048 H800s with 16-way PP, 64-way expert parallelism over 8 nodes and ZeRO-1 "
-        "DP, no TP (§3.2): here PP 16 x DP 128 with EP 64 carved out of the 128, the 2 replicas of each expert "
-        "being DeepSeek's DP 2. The multi-token-prediction module (14B, §2.2) is not counted",
+        "DP, no TP, DualPipe (§3.2, §3.2.1); dispatch in FP8, combine in BF16 (§3.3.3), each token to at most 4 nodes "
+        "(§3.2.2): here PP 16 x DP 128 with EP 64 carved out of the 128, the 2 replicas of each expert being "
+        "DeepSeek's DP 2. The multi-token-prediction module (14B, §2.2) is not counted",
         kv_heads=128,
         experts=_DEEPSEEK_V3,
         vocab=129280,
@@ -272,6 +289,21 @@ PRESETS = {
         norm="rmsnorm",
     ),
 }
+
+
+# Megatron-Bridge's DeepSeek-V3 on 1,024 H100s (docs/performance-summary.md, 25.09 container, DGX-H100 table): GBS
+# 8192, MBS 1, 4096 tokens, TP 2, PP 8, CP 1, VP 4, EP 64, GA 128, no FSDP.
+PRESETS["deepseek-v3-h100"] = replace(
+    PRESETS["deepseek-v3"],
+    name="deepseek-v3-h100",
+    global_batch=8192,
+    published={"tp": 2, "pp": 8, "dp": 64, "ep": 64},
+    source="DeepSeek-V3's architecture (DeepSeek-AI 2024, §4.2) as Megatron-Bridge trains it on 1,024 H100s: "
+    "docs/performance-summary.md (25.09 NeMo container, DGX-H100): GBS 8192 sequences of 4096 tokens, MBS 1, TP 2, "
+    "PP 8 with VP 4 (interleaved), CP 1, EP 64 (carved out of DP 64), 128 gradient accumulations, DDP, 338 model "
+    "TFLOP/s per GPU. The routing stays the model's (its config groups experts by node, 4 groups a token); the "
+    "dispatch and combine precisions are not stated there, DeepSeek's are kept",
+)
 
 
 def nominal_model(params: float, seq: int = DEFAULT_SEQ) -> Model:

@@ -211,6 +211,7 @@ def _pipeline_reason(p: Plan) -> str:
         "1f1b": "(p-1)/(m+p-1)",
         "interleaved": "(p-1)/(v m+p-1)",
         "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))",
+        "dualpipev": "(p-1)(F+2B-W)/2 over m(F+B+W) plus itself",
     }[p.schedule]
     memory = (
         f"1 + (p-1)/(p v) = {interleaved_activation_factor(p.pp, p.chunks):.3g} times that"
@@ -251,15 +252,16 @@ def _pipeline_reason(p: Plan) -> str:
 
 
 def beyond_search(p: Plan) -> list[Candidate]:
-    """The plan's layout evaluated with each schedule past ZB-H1 it can run (:func:`v_schedules`): their bubble,
-    activations and step time beside the choice; the search itself ranks only :func:`pipeline_schedules`."""
+    """The plan's layout evaluated with each schedule past ZB-H1 it can run (:func:`v_schedules`) that the search
+    did not rank (:func:`pipeline_schedules`): their bubble, activations and step time beside the choice."""
     if p.pp == 1:
         return []
     args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
+    ranked = pipeline_schedules(p.model.layers, p.pp, p.microbatches, bool(p.model.experts))
     return [
         evaluate(p.model, p.layout._replace(schedule=s, chunks=1), *args)
         for s in v_schedules(p.model.layers, p.pp, p.microbatches)
-        if bubble_ratio(s, p.pp, p.microbatches, 1, schedule_costs(p.recompute)) is not None
+        if (s, 1) not in ranked and bubble_ratio(s, p.pp, p.microbatches, 1, schedule_costs(p.recompute)) is not None
     ]
 
 
@@ -283,6 +285,8 @@ def _schedule_sentence(p: Candidate) -> str:
         "1f1b": "1F1B (PipeDream-Flush, Narayanan et al. 2021, §2.2.1)",
         "interleaved": f"Interleaved 1F1B with v = {p.chunks} chunks per rank (Narayanan et al. 2021, §2.2.2)",
         "zb-h1": "ZB-H1 (Qi et al. 2023, §3.1: the weight-gradient passes fill the waits)",
+        "dualpipev": "DualPipeV (DeepSeek-AI 2024, §3.2.1: DualPipe in one V, a forward paired with another "
+        "microbatch's backward)",
     }[p.schedule]
 
 
@@ -296,7 +300,7 @@ def _time_reason(p: Plan, profile: HardwareProfile) -> str:
         + (f"; {p.model.active_params / 1e9:.1f}B active parameters a token" if p.model.experts else "")
         + f"), bubble {t['bubble_s']:.3g} s, TP {t['tp_comm_s']:.3g} s, PP {t['pp_comm_s']:.3g} s, "
         + (f"CP ring exposed {t['cp_comm_exposed_s']:.3g} s, " if p.cp > 1 else "")
-        + (f"EP all-to-all {t['ep_comm_s']:.3g} s, " if p.ep > 1 else "")
+        + (f"EP all-to-all exposed {t['ep_comm_s']:.3g} s, " if p.ep > 1 else "")
         + f"exposed DP {t['dp_comm_exposed_s']:.3g} s: {p.tflops_per_gpu:.0f} TFLOP/s per GPU of model FLOPs, MFU "
         f"{p.mfu:.1%}"
         + (f" ({p.hardware_tflops_per_gpu:.0f} TFLOP/s with the recomputed forward)" if p.recompute != "none" else "")
@@ -322,17 +326,48 @@ def _alternative_reasons(p: Plan) -> list[str]:
             f"activations that only TP splits: {verdict}."
         )
     if p.model.published and published_gpus(p.model.published) == p.gpus:
-        out.append(_published_reason(p, published_candidate(p)))
+        published = published_candidate(p)
+        out.append(_published_reason(p, published))
+        if published is not None and published.fits and p.step_time_s < published.step_time_s <= p.step_time_s * (
+            1 + CLOSE
+        ):
+            out.append(_preference_reason(p, published))
     return out
+
+
+# Why the choice is estimated faster than a published layout that fits, by the part of the step that differs most.
+PREFERS_BECAUSE = {
+    "compute_s": "with fewer layers a stage, the last stage's output head outweighs the layer it lacks, and every "
+    "stage runs at the slowest one's pace",
+    "bubble_s": "its pipeline idles less",
+    "ep_comm_s": "less of its all-to-all is left exposed",
+    "tp_comm_s": "less TP traffic in every layer",
+    "pp_comm_s": "fewer stages send fewer activations",
+    "cp_comm_exposed_s": "less of the CP ring is exposed",
+    "dp_comm_exposed_s": "less data-parallel traffic is left unhidden",
+}
+
+
+def _preference_reason(p: Plan, published: Candidate) -> str:
+    """One line: why the choice is preferred to a published layout estimated within ``CLOSE`` of it (evaluated as
+    :func:`published_candidate` does), by the part of the step it saves most on (a published layout further off
+    gets :data:`SLOWER_BECAUSE` in :func:`_published_reason`)."""
+    part = max(p.time, key=lambda k: published.time[k] - p.time[k])
+    gap = published.step_time_s / p.step_time_s - 1
+    return (
+        f"Preferred to the published layout ({describe(published)}): {gap:.1%} faster here, within the {CLOSE:.0%} "
+        "this estimate can tell "
+        f"({p.step_time_s:.3g} s against {published.step_time_s:.3g} s), mostly {part[:-2].replace('_', ' ')} "
+        f"({p.time[part]:.3g} s against {published.time[part]:.3g} s): {PREFERS_BECAUSE[part]}."
+    )
 
 
 # Why a published layout can be estimated slower than the choice, by the part of the step that differs most.
 SLOWER_BECAUSE = {
     "bubble_s": "its pipeline idles more, even with the schedule that suits it best among those that fit here; "
-    "Llama 3 interleaves its stages and DeepSeek-V3 runs DualPipe, both idling less for more activation memory than "
-    "this memory model leaves",
-    "ep_comm_s": "the all-to-alls are not overlapped here; DeepSeek-V3's DualPipe hides them behind another "
-    "microbatch's compute and its routing sends each token to at most 4 nodes (§3.2.1-3.2.2)",
+    "Llama 3 interleaves its stages, idling less for more activation memory than this memory model leaves",
+    "ep_comm_s": "more of its all-to-alls are exposed: they cross InfiniBand, and a schedule that does not pair one "
+    "microbatch's forward with another's backward cannot hide them (DeepSeek-V3's DualPipe does, §3.2.1)",
     "tp_comm_s": "TP's all-reduces in every layer are not overlapped",
     "pp_comm_s": "more stages send more activations",
     "cp_comm_exposed_s": "the CP ring's traffic exceeds the attention compute it hides behind",
@@ -373,7 +408,7 @@ def published_candidate(p: Plan) -> Candidate | None:
         return None
     zeros = [p.model.published["zero"]] if "zero" in p.model.published else [0, 1, 2]
     args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
-    schedules = pipeline_schedules(p.model.layers, pub["pp"], m)
+    schedules = pipeline_schedules(p.model.layers, pub["pp"], m, bool(p.model.experts))
     tried = []
     for recompute in ("none", "selective"):
         for zero in zeros:

@@ -438,3 +438,37 @@ def params_from_dims(layers: int, hidden: int, vocab: int, seq: int = 0, ffn_mul
     embeddings V h shared with the output head, learned positions s h, and a final LayerNorm 2h
     (:func:`transformer_params`)."""
     return transformer_params(layers, hidden, vocab, ffn=ffn_mult * hidden, positions=seq)["total"]
+
+
+def tiny_gpt_params(cfg: GPTConfig) -> dict[str, int]:
+    """The exact parameters of the tiny GPT of ``cfg`` (:class:`course_lib.model.gpt.TinyGPT`), counted without
+    building it: ``trainable`` and ``frozen`` elements (the learned positions, s x h, unless trained) and the
+    trainable ``tensors``. A layer is two LayerNorms, qkv (no bias) and the output projection, and a GELU MLP h -> mh
+    -> h with biases, or with ``experts`` E a router (h x E, no bias) and E such MLPs; around them the V x h token
+    embedding (tied to the output head) and a final LayerNorm."""
+    h, width = cfg.d_model, cfg.ffn_mult * cfg.d_model
+    mlp = 2 * h * width + width + h
+    experts = cfg.experts
+    layer = 4 * h + 3 * h * h + h * h + h + (h * experts + experts * mlp if experts else mlp)
+    tensors_per_layer = 4 + 3 + (1 + 4 * experts if experts else 4)
+    positions = cfg.seq * h
+    trainable = cfg.layers * layer + cfg.vocab * h + 2 * h + (0 if cfg.frozen_pos else positions)
+    tensors = cfg.layers * tensors_per_layer + 3 + (0 if cfg.frozen_pos else 1)
+    return {"trainable": trainable, "frozen": positions if cfg.frozen_pos else 0, "tensors": tensors}
+
+
+def tiny_gpt_memory(cfg: GPTConfig, batch: int, precision: Precision) -> dict[str, int]:
+    """What one device holds training the whole tiny GPT on ``batch`` sequences at once (the harness's reference):
+    the weights, gradients and AdamW state of :func:`tiny_gpt_params` at ``precision``'s bytes per parameter plus
+    AdamW's 4-byte step counter per tensor, and the activations of :func:`tiny_gpt_activation_bytes` in elements of
+    the weights' size (those of a dense layer: an MoE's routed tokens pass through top-k experts, counted as one)."""
+    counts = tiny_gpt_params(cfg)
+    p = precision_of(precision)
+    out = {
+        "params": p.params * (counts["trainable"] + counts["frozen"]),
+        "grads": p.grads * counts["trainable"],
+        "optimizer": p.optimizer * counts["trainable"] + 4 * counts["tensors"],
+        "activations": tiny_gpt_activation_bytes(cfg, batch, p.params)["total"],
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -25,6 +25,20 @@ from course_lib.model.config import (
     precision_of,
 )
 
+# The most parameters the formulas take: a thousand times the largest models trained with a published size (a
+# trillion or two: Switch-C's 1.6T, Kimi K2's 1T), so that a slip of the exponent gets no number for a model that
+# nobody builds.
+MAX_PARAMS = 10**15
+
+
+def check_params(params: float) -> None:
+    """Refuse a parameter count the formulas should not take: not a number, or beyond :data:`MAX_PARAMS`."""
+    if not params <= MAX_PARAMS:  # NaN too
+        raise ValueError(
+            f"{params:g} parameters: the course's formulas take at most {MAX_PARAMS:.0e} (a thousand times the "
+            "largest model trained); give the parameter count of a model that could be built"
+        )
+
 
 def stage_params(
     dense: float, pp: int, embedding: float = 0.0, tied: bool = True, replicated: float = 0.0
@@ -99,6 +113,7 @@ def model_state_formula(
     GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2).
     """
     bytes_of = precision_of(precision)
+    check_params(params)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
     for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):

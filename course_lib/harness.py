@@ -33,8 +33,10 @@ from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
 from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.topology import Topology
 from course_lib.ledgers import comm, trace
+from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.formulas import tiny_gpt_memory, tiny_gpt_params
 from course_lib.model.gpt import (
     ModelFactory,
     TrainResult,
@@ -47,7 +49,7 @@ from course_lib.model.gpt import (
 )
 from course_lib.parallel import catalog
 from course_lib.parallel.interface import Scheme
-from course_lib.runtime import checkpoint, launch
+from course_lib.runtime import checkpoint, host, launch
 from course_lib.runtime.faults import Fault, injected
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
@@ -119,8 +121,16 @@ class SchemeRun:
     modeled: ModeledRun | None = None
 
 
-def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict) -> Scheme:
-    """Reject impossible settings before any rank starts, saying how to fix them; returns the scheme's entry."""
+def validate(
+    scheme: str,
+    world_size: int,
+    cfg: GPTConfig,
+    train: TrainConfig,
+    options: dict,
+    ranks: LaunchSettings = LaunchSettings(),
+) -> Scheme:
+    """Reject impossible settings before any rank starts, saying how to fix them, a run too large for this machine's
+    memory included (:func:`check_memory`, the ranks as ``ranks`` starts them); returns the scheme's entry."""
     name = ALIASES.get(scheme, scheme)
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(ALIASES)}")
@@ -143,7 +153,53 @@ def validate(scheme: str, world_size: int, cfg: GPTConfig, train: TrainConfig, o
             )
         check_model(cfg, train, options["model"])
     spec.validate(world_size, cfg, train, spec.settings(options))
+    check_memory(spec, world_size, cfg, train, options, ranks)
     return spec
+
+
+def check_memory(
+    spec: Scheme, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict, ranks: LaunchSettings
+) -> None:
+    """Refuse a run this machine's available memory (:func:`course_lib.runtime.host.available_memory`) cannot
+    hold, by the course's own formulas, each process counted with the launcher's ``RANK_MEMORY_BYTES`` for itself:
+    first the one-device reference, the whole model and batch in one process (the tiny GPT's bytes by
+    :func:`course_lib.model.formulas.tiny_gpt_memory`, without building it; a student's model was built by
+    :func:`course_lib.model.gpt.check_model` already); then, for ranks on this machine's CPU, every rank's
+    ``predict_memory`` together (its model built, which the reference's check has shown fits)."""
+    available = host.available_memory()
+    if available is None:
+        return  # nothing to compare with: the launcher's own limits still hold
+    margin, model = launch.RANK_MEMORY_BYTES, options.get("model")
+    shape = "your model" if model is not None else f"{cfg.layers} layers x {cfg.d_model} wide"
+    have = f"more than the {_bytes(available)} this machine has available"
+    if model is None:
+        one = tiny_gpt_memory(cfg, train.batch, precision.convention(train))
+        if one["total"] + margin > available:
+            count = sum(tiny_gpt_params(cfg).values())
+            raise ValueError(
+                f"the one-device reference would need about {_bytes(one['total'] + margin)} by the course's memory "
+                f"formula ({shape}, {count:,} parameters: {_bytes(one['total'] - one['activations'])} of weights, "
+                f"gradients and AdamW state, {_bytes(one['activations'])} of activations for "
+                f"{train.batch} x {cfg.seq} tokens), {have}; use fewer layers, a narrower model, or a shorter "
+                "sequence or smaller batch"
+            )
+    if launch.under_torchrun() or ranks.in_process:
+        return  # torchrun's ranks are spread over its nodes; one in process is the reference's size
+    if launch.compute_device(launch.resolve_backend(ranks.backend, world_size), ranks.device) != "cpu":
+        return  # the ranks' states are on the GPUs
+    rows = spec.predict_memory(world_size, cfg, train, spec.settings(options))
+    per_rank = [sum(row.get(k, 0) for k in (*CATEGORIES, "activations")) + margin for row in rows]
+    if sum(per_rank) > available:
+        raise ValueError(
+            f"{world_size} ranks would need about {_bytes(sum(per_rank))} ({_bytes(max(per_rank))} on the busiest "
+            f"rank by the course's memory formula: {shape}), {have}; use fewer layers or ranks, or a narrower model"
+        )
+
+
+def _bytes(x: float) -> str:
+    """``x`` bytes in TB, GB or MB, one decimal."""
+    unit, scale = next((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)) if x >= s or u == "MB")
+    return f"{x / scale:,.1f} {unit}"
 
 
 def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwargs):
@@ -225,7 +281,7 @@ def run_scheme(
     faults = FaultSettings(fault, patch)
     saving = CheckpointSettings(checkpoint_dir, checkpoint_every, resume, checkpoint_async)
     cluster = ClusterSettings(hardware, gpus_per_node, topology, algorithm, placement)
-    spec = validate(scheme, world_size, cfg, train, options)
+    spec = validate(scheme, world_size, cfg, train, options, ranks)
     profile, resolved = check_cluster(cluster, world_size, spec.axes)
     rank_fn, plan = wrap(spec, world_size, cfg, train, options, faults, saving, ranks.in_process)
     with _checkpoints_listed_on_failure(plan):
@@ -412,7 +468,7 @@ def report_run(
 ) -> dict:
     """The JSON-ready report: the run's losses and parameters beside the reference's, every rank's memory and
     bytes moved in the last step, the checkpoints and the precision when the run had them, and the ``verdict``
-    (:func:`verdict`)."""
+    (:func:`course_lib.model.precision.one_device_verdict`)."""
     start = plan.start if plan is not None else 0
     rank_losses = [r["losses"] for r in result if r["losses"] is not None]
     losses = [sum(step) / len(step) for step in zip(*rank_losses, strict=True)]
@@ -447,25 +503,8 @@ def report_run(
         )
         report["precision"] = precision.summary(train, result[0], losses, fp32.losses[start:])
         report["precision"]["rel_param_diff_vs_fp32"] = rel_param_diff(reference.params, fp32.params)
-    report["verdict"] = verdict(report, train)
+    report["verdict"] = precision.one_device_verdict(report, train)
     return report
-
-
-def verdict(report: dict, train: TrainConfig) -> dict:
-    """Whether the run matches one device, each measure beside its tolerance for the run's dtype and precision
-    (:func:`course_lib.model.precision.one_device_tolerances`): ``matches`` and, for ``loss`` and ``params``, the
-    measure's name, its value and its tolerance. A mixed-precision run's parameters may stray from one device's as
-    far as 16-bit rounding moves one device from fp32 (``rel_param_diff_vs_fp32``): the same kind of perturbation."""
-    tolerance = precision.one_device_tolerances(train, max(report["reference_losses"], default=0.0))
-    params_tolerance = tolerance["params"]
-    if params_tolerance is None:
-        params_tolerance = report["precision"]["rel_param_diff_vs_fp32"]
-    measures = {
-        "loss": ("max |loss diff|", report["max_abs_loss_diff"], tolerance["loss"]),
-        "params": (tolerance["params_measure"], report[tolerance["params_key"]], params_tolerance),
-    }
-    rows = {k: {"measure": m, "value": v, "tolerance": t} for k, (m, v, t) in measures.items()}
-    return {"matches": all(r["value"] <= r["tolerance"] for r in rows.values()), **rows}
 
 
 def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:

@@ -252,6 +252,26 @@ BAD = (
         ([], "the following arguments are required: command"),
         (["train"], "invalid choice: 'train'"),
     ]
+    # sizes nobody could run or plan (issue 37 item 3): refused by the course's memory formula against this
+    # machine's available memory, by torch's 64-bit seeds, and by the GPUs the planner and a topology take
+    + [
+        (["run", "dp", "--layers", "1000000"], "the one-device reference would need about 2.0 TB"),
+        (["run", "dp", "--layers", "1000000"], "(1000000 layers x 64 wide, 49,803,010,371 parameters: 796.7 GB"),
+        (["run", "single", "--layers", "1000000"], "more than the"),
+        (["run", "pp", "--layers", "1000000"], "this machine has available; use fewer layers, a narrower model"),
+        (["run", "dp", "--hidden", "100000000"], "(2 layers x 100000000 wide, 240,000,018,200,000,025 parameters"),
+        (["run", "dp", "--seq", "100000"], "2.6 TB of activations for 8 x 100000 tokens), more than the"),
+        (["run", "dp", "--batch", "10000000"], "3.3 TB of activations for 10000000 x 32 tokens), more than the"),
+        (["demo", "--layers", "1000000"], "demo: single on 1 ranks: the one-device reference would need about"),
+        (["run", "dp", "--seed", "99999999999999999999999"], "seed must be a whole number from 0 to 18,446,688,733"),
+        (["plan", "--gpus", "1000000", "--params", "7e9"], "1,000,000 GPUs is more than the 131,072 the planner"),
+        (["goodput", "--gpus", "1000000"], "goodput: 1,000,000 GPUs is more than the 131,072 the planner takes"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--topology", "h100-superpod:99999999999"], "799,999,999,992 GPU"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--topology", "gb200-nvl72:99999999999"], "would have 7,199,99"),
+        (["plan", "--gpus", "8", "--params", "7e9", "--topology", "tpu-v5p:99999x99999x99999"], "more than the 131"),
+        (["plan", "--gpus", "1000000", "--params", "7e9", "--topology", "tpu-v5p"], "more than the 131,072"),
+        (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod:99999999999"], "a topology is built with"),
+    ]
 )
 
 

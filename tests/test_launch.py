@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import needs_cuda, process_alive, read_pids, write_pid
 
 from course_lib.ledgers import comm
-from course_lib.runtime import failures, launch, ranks
+from course_lib.runtime import failures, host, launch, ranks
 
 
 def rank_info(offset, scale=1):
@@ -211,7 +211,7 @@ Hugepagesize:       2048 kB
 
 
 def test_meminfo_is_read_in_bytes():
-    assert ranks.parse_meminfo(MEMINFO) == {
+    assert host.parse_meminfo(MEMINFO) == {
         "MemTotal": 24684084 * 1024,
         "MemFree": 1525412 * 1024,
         "MemAvailable": 21915716 * 1024,
@@ -219,7 +219,7 @@ def test_meminfo_is_read_in_bytes():
         "HugePages_Total": 0,
         "Hugepagesize": 2048 * 1024,
     }
-    assert ranks.parse_meminfo("") == {}
+    assert host.parse_meminfo("") == {}
 
 
 # /proc/self/mountinfo and /proc/self/cgroup of a process in cgroup v2's /user.slice/job and v1's memory /batch/job
@@ -241,7 +241,7 @@ def test_a_memory_cgroup_limits_the_memory_available(tmp_path, monkeypatch):
     """v2: the parent's limit binds (1 GiB less 0.9 GiB used, 0.5 GiB of it file cache: 0.6 GiB left); v1: the
     memory controller's limit less its use, its cache free. The machine's MemAvailable counts only where lower."""
     mounts = MOUNTINFO.replace("/sys/fs", str(tmp_path))
-    found = ranks.memory_cgroups(mounts, MEMBERSHIP)
+    found = host.memory_cgroups(mounts, MEMBERSHIP)
     v2, v1 = tmp_path / "cgroup", tmp_path / "cgroup-v1/memory"
     assert found == [("cgroup2", v2 / "user.slice/job", v2), ("cgroup", v1 / "batch/job", v1)]
     gib = 2**30
@@ -254,7 +254,7 @@ def test_a_memory_cgroup_limits_the_memory_available(tmp_path, monkeypatch):
         },
     )
     fake_cgroup(v2 / "user.slice/job", {"memory.max": "max\n", "memory.current": "0\n", "memory.stat": ""})
-    assert ranks.cgroup_room("cgroup2", v2 / "user.slice/job", v2) == gib - int(0.9 * gib) + gib // 2
+    assert host.cgroup_room("cgroup2", v2 / "user.slice/job", v2) == gib - int(0.9 * gib) + gib // 2
     fake_cgroup(
         v1 / "batch/job",
         {
@@ -263,31 +263,31 @@ def test_a_memory_cgroup_limits_the_memory_available(tmp_path, monkeypatch):
             "memory.stat": "cache 5\ntotal_active_file 1000\ntotal_inactive_file 2000\n",
         },
     )
-    assert ranks.cgroup_room("cgroup", v1 / "batch/job", v1) == 100_003_000
-    assert ranks.cgroup_room("cgroup", v1 / "batch", v1) is None, "no limit read: no room to count"
+    assert host.cgroup_room("cgroup", v1 / "batch/job", v1) == 100_003_000
+    assert host.cgroup_room("cgroup", v1 / "batch", v1) is None, "no limit read: no room to count"
     # The launcher's limit: 64 MiB left in the cgroup fits no second rank, whatever the machine has.
     fake_cgroup(tmp_path / "tight", {"memory.max": f"{2**26}", "memory.current": "0", "memory.stat": ""})
     monkeypatch.setattr(
-        ranks, "memory_cgroups", lambda mountinfo, membership: [("cgroup2", tmp_path / "tight", tmp_path)]
+        host, "memory_cgroups", lambda mountinfo, membership: [("cgroup2", tmp_path / "tight", tmp_path)]
     )
-    assert ranks.available_memory() == 2**26 and launch.max_local_ranks() == 1
+    assert host.available_memory() == 2**26 and launch.max_local_ranks() == 1
     with pytest.raises(ValueError, match=r"this machine holds \(1: .* \(0\.1 GiB available, ~400 MB a rank\)\)"):
         launch.check_world_size(2)
 
 
 def test_without_meminfo_the_free_pages_count(tmp_path, monkeypatch):
     """Where /proc/meminfo is not (macOS, BSD) the free pages count, and without those only the cores."""
-    monkeypatch.setattr(ranks, "MEMINFO", str(tmp_path / "no-meminfo"))
-    monkeypatch.setattr(ranks, "memory_cgroups", lambda mountinfo, membership: [])
+    monkeypatch.setattr(host, "MEMINFO", str(tmp_path / "no-meminfo"))
+    monkeypatch.setattr(host, "memory_cgroups", lambda mountinfo, membership: [])
     pages = {"SC_AVPHYS_PAGES": 3000, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
-    assert ranks.available_memory() == 3000 * 4096
+    assert host.available_memory() == 3000 * 4096
 
     def no_sysconf(name):
         raise ValueError(f"unrecognized configuration name {name}")
 
     monkeypatch.setattr(os, "sysconf", no_sysconf)
-    assert ranks.available_memory() is None
+    assert host.available_memory() is None
     assert launch.max_local_ranks() == max(8, 4 * ranks.cores())
 
 
@@ -312,7 +312,7 @@ def test_the_page_cache_does_not_count_against_the_rank_limit(tmp_path, monkeypa
     price a rank so that the free pages would fit fewer than the course's 8 ranks: the available memory fits 8."""
     if in_memory_filesystem(tmp_path):
         pytest.skip(f"{tmp_path} is in memory (tmpfs): its file would be shared memory, not page cache")
-    free_before, available_before = free_pages_bytes(), ranks.available_memory()
+    free_before, available_before = free_pages_bytes(), host.available_memory()
     path, block = tmp_path / "cache", bytes(2**26)
     try:
         with open(path, "wb") as f:
@@ -321,7 +321,7 @@ def test_the_page_cache_does_not_count_against_the_rank_limit(tmp_path, monkeypa
         with open(path, "rb") as f:
             while f.read(len(block)):
                 pass
-        free, available = free_pages_bytes(), ranks.available_memory()
+        free, available = free_pages_bytes(), host.available_memory()
         # What other processes allocate meanwhile takes from both; the page cache only from the free pages.
         cached = (free_before - free) - (available_before - available)
         assert cached > FILL_BYTES // 2, f"free {free_before} -> {free} B, available {available_before} -> {available}"

@@ -6,7 +6,7 @@ import pytest
 
 from course_lib.cli import main
 from course_lib.cli.echo import layout_lines, settings_line, verdict_line
-from course_lib.harness import run_scheme, verdict
+from course_lib.harness import run_scheme
 from course_lib.ledgers.trace import Event, bubble_fraction
 from course_lib.model import precision
 from course_lib.model.config import TrainConfig
@@ -37,11 +37,11 @@ def test_a_run_beyond_its_tolerance_says_no_and_exits_1(capsys, monkeypatch):
 def test_the_tolerances_follow_the_dtype():
     report = {"max_abs_loss_diff": 2e-11, "max_abs_param_diff": 5e-11, "rel_param_diff": 1e-12,
               "reference_losses": [4.8]}  # fmt: skip
-    in64 = verdict(report, TrainConfig(dtype="float64"))
+    in64 = precision.one_device_verdict(report, TrainConfig(dtype="float64"))
     assert in64["matches"] and in64["params"]["measure"] == "max |param diff|" and in64["loss"]["tolerance"] == 1e-10
-    worse = verdict(report | {"max_abs_param_diff": 2e-10}, TrainConfig(dtype="float64"))
+    worse = precision.one_device_verdict(report | {"max_abs_param_diff": 2e-10}, TrainConfig(dtype="float64"))
     assert not worse["matches"] and worse["params"]["value"] == 2e-10
-    in32 = verdict(report | {"rel_param_diff": 2e-5}, TrainConfig())
+    in32 = precision.one_device_verdict(report | {"rel_param_diff": 2e-5}, TrainConfig())
     assert not in32["matches"]
     assert in32["params"] == {"measure": "relative param diff", "value": 2e-5, "tolerance": 1e-5}
     line = verdict_line({"verdict": in32, "dtype": "float32"})

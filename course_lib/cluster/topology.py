@@ -34,6 +34,28 @@ from course_lib.cluster.profiles import HardwareProfile
 
 Endpoint = int | tuple  # a GPU's index, or a switch's name
 
+# The most GPUs the course models: eight times the 16,384 of Llama 3 405B, the largest training run with a published
+# layout (a cluster of 100,000-200,000 GPUs has been built, but no layout trained on one is published). The planner
+# lists every group of every layout it tries and a topology is built link by link, each about 10-20 us a GPU on one
+# core: 131,072 GPUs plan in about 30 s (benchmarks/size_refusals.py); ten times more would take minutes.
+MAX_GPUS = 131_072
+
+
+def check_gpus(gpus: int, topology: str | None = None) -> None:
+    """Refuse more GPUs than :data:`MAX_GPUS`, a cluster's for the planner or, given its name, a ``topology``'s,
+    before anything is counted or built."""
+    if gpus <= MAX_GPUS:
+        return
+    if topology is None:
+        raise ValueError(
+            f"{gpus:,} GPUs is more than the {MAX_GPUS:,} the planner takes (eight times Llama 3's 16,384, the "
+            "largest run with a published layout; each GPU is counted in every group); use fewer GPUs"
+        )
+    raise ValueError(
+        f"{topology} would have {gpus:,} GPUs, more than the {MAX_GPUS:,} a topology is built with (link by link; "
+        "eight times Llama 3's 16,384); use fewer nodes or racks, or a smaller shape"
+    )
+
 
 @dataclass(frozen=True)
 class Link:
@@ -136,6 +158,7 @@ class FatTree(Topology):
         if self.oversubscription < 1:
             raise ValueError(f"{self.name}: oversubscription must be at least 1 (1 = full bisection)")
         self.n_gpus = self.domains * self.gpus_per_domain
+        check_gpus(self.n_gpus, self.name)
         for g in range(self.n_gpus):
             self._add(g, ("nvswitch", self.domain(g)), self.nvlink_bandwidth, self.nvlink_latency)
             self._add(g, self.leaf(g), self.nic_bandwidth, self.nic_latency)
@@ -205,6 +228,7 @@ class Torus(Topology):
                 f"{self.name}: a {'x'.join(map(str, self.shape))} torus has {prod(self.shape)} chips, not "
                 f"{self.n_gpus}; make the shape's product the GPU count"
             )
+        check_gpus(self.n_gpus, self.name)
         for g in range(self.n_gpus):
             for axis, k in enumerate(self.shape):
                 if k > 1:
@@ -474,6 +498,7 @@ def for_gpus(spec: str, gpus: int) -> Topology:
     v5p slices are), else of any sides (:func:`_cube_like`)."""
     if ":" in spec or spec not in PROFILES:
         return from_spec(spec)
+    check_gpus(gpus, spec)
     keyword = next(iter(inspect.signature(PROFILES[spec]).parameters))
     if keyword == "shape":
         return get_topology(spec, shape=_cube_like(gpus))

@@ -23,6 +23,10 @@ ATTENTION_KERNELS = ("flash", "materialized")
 # the attention core, or recompute each layer from its input.
 RECOMPUTE_MODES = ("none", "selective", "full")
 NORMS = {"layernorm": 2, "rmsnorm": 1}  # weights per hidden unit: LayerNorm's scale and bias, RMSNorm's scale
+# The synthetic data of step k comes from seed x DATA_SEED_STRIDE + k (:func:`course_lib.model.gpt.synthetic_tokens`),
+# and torch seeds a generator with at most 64 bits, so a run's seeds stop at :func:`max_seed` of its steps.
+DATA_SEED_STRIDE = 1_000_003
+TORCH_SEED_LIMIT = 2**64 - 1  # torch.Generator.manual_seed's largest seed (a negative one wraps: not taken here)
 
 
 def check_recompute(recompute: str) -> None:
@@ -167,6 +171,12 @@ def check_precision_settings(train: TrainConfig) -> None:
         raise ValueError("initial_scale is where a dynamic loss scale starts: use it with loss_scale='dynamic'")
 
 
+def max_seed(steps: int) -> int:
+    """The largest seed a run of ``steps`` steps can take: its last step's data seed, seed x
+    :data:`DATA_SEED_STRIDE` + steps - 1, must be one torch takes (:data:`TORCH_SEED_LIMIT`)."""
+    return (TORCH_SEED_LIMIT - (steps - 1)) // DATA_SEED_STRIDE
+
+
 def _positive_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
 
@@ -256,6 +266,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"steps and batch must be at least 1, got steps={self.steps}, batch={self.batch}")
+        if not 0 <= self.seed <= max_seed(self.steps):
+            raise ValueError(
+                f"seed must be a whole number from 0 to {max_seed(self.steps):,}, got {self.seed}: torch seeds with "
+                f"64 bits, and step k's data with seed x {DATA_SEED_STRIDE:,} + k; use a smaller seed"
+            )
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', not {self.dtype!r}")
         check_precision_settings(self)

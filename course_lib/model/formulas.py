@@ -25,6 +25,20 @@ from course_lib.model.config import (
     precision_of,
 )
 
+# The most parameters the formulas take: a thousand times the largest models trained with a published size (a
+# trillion or two: Switch-C's 1.6T, Kimi K2's 1T), so that a slip of the exponent gets no number for a model that
+# nobody builds.
+MAX_PARAMS = 10**15
+
+
+def check_params(params: float) -> None:
+    """Refuse a parameter count the formulas should not take: not a number, or beyond :data:`MAX_PARAMS`."""
+    if not params <= MAX_PARAMS:  # NaN too
+        raise ValueError(
+            f"{params:g} parameters: the course's formulas take at most {MAX_PARAMS:.0e} (a thousand times the "
+            "largest model trained); give the parameter count of a model that could be built"
+        )
+
 
 def stage_params(
     dense: float, pp: int, embedding: float = 0.0, tied: bool = True, replicated: float = 0.0
@@ -99,6 +113,7 @@ def model_state_formula(
     GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2).
     """
     bytes_of = precision_of(precision)
+    check_params(params)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
     for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
@@ -438,3 +453,37 @@ def params_from_dims(layers: int, hidden: int, vocab: int, seq: int = 0, ffn_mul
     embeddings V h shared with the output head, learned positions s h, and a final LayerNorm 2h
     (:func:`transformer_params`)."""
     return transformer_params(layers, hidden, vocab, ffn=ffn_mult * hidden, positions=seq)["total"]
+
+
+def tiny_gpt_params(cfg: GPTConfig) -> dict[str, int]:
+    """The exact parameters of the tiny GPT of ``cfg`` (:class:`course_lib.model.gpt.TinyGPT`), counted without
+    building it: ``trainable`` and ``frozen`` elements (the learned positions, s x h, unless trained) and the
+    trainable ``tensors``. A layer is two LayerNorms, qkv (no bias) and the output projection, and a GELU MLP h -> mh
+    -> h with biases, or with ``experts`` E a router (h x E, no bias) and E such MLPs; around them the V x h token
+    embedding (tied to the output head) and a final LayerNorm."""
+    h, width = cfg.d_model, cfg.ffn_mult * cfg.d_model
+    mlp = 2 * h * width + width + h
+    experts = cfg.experts
+    layer = 4 * h + 3 * h * h + h * h + h + (h * experts + experts * mlp if experts else mlp)
+    tensors_per_layer = 4 + 3 + (1 + 4 * experts if experts else 4)
+    positions = cfg.seq * h
+    trainable = cfg.layers * layer + cfg.vocab * h + 2 * h + (0 if cfg.frozen_pos else positions)
+    tensors = cfg.layers * tensors_per_layer + 3 + (0 if cfg.frozen_pos else 1)
+    return {"trainable": trainable, "frozen": positions if cfg.frozen_pos else 0, "tensors": tensors}
+
+
+def tiny_gpt_memory(cfg: GPTConfig, batch: int, precision: Precision) -> dict[str, int]:
+    """What one device holds training the whole tiny GPT on ``batch`` sequences at once (the harness's reference):
+    the weights, gradients and AdamW state of :func:`tiny_gpt_params` at ``precision``'s bytes per parameter plus
+    AdamW's 4-byte step counter per tensor, and the activations of :func:`tiny_gpt_activation_bytes` in elements of
+    the weights' size (those of a dense layer: an MoE's routed tokens pass through top-k experts, counted as one)."""
+    counts = tiny_gpt_params(cfg)
+    p = precision_of(precision)
+    out = {
+        "params": p.params * (counts["trainable"] + counts["frozen"]),
+        "grads": p.grads * counts["trainable"],
+        "optimizer": p.optimizer * counts["trainable"] + 4 * counts["tensors"],
+        "activations": tiny_gpt_activation_bytes(cfg, batch, p.params)["total"],
+    }
+    out["total"] = sum(out.values())
+    return out

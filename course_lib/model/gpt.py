@@ -26,7 +26,7 @@ from torch import nn
 
 from course_lib.ledgers import trace
 from course_lib.model import precision
-from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.model.config import DATA_SEED_STRIDE, GPTConfig, TrainConfig
 from course_lib.model.recompute import apply as apply_recompute
 from course_lib.model.recompute import recompute
 
@@ -276,7 +276,7 @@ def synthetic_tokens(step: int, batch: int, cfg: GPTConfig, seed: int = 0) -> tu
     Each sequence follows x[t+1] = (a * x[t] + c) mod vocab from a random start, with one token in eight replaced
     by noise, so there is a rule to learn and the loss falls from ln(vocab).
     """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    gen = torch.Generator().manual_seed(seed * DATA_SEED_STRIDE + step)
     tokens = torch.empty(batch, cfg.seq + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(cfg.vocab, (batch,), generator=gen)
     for t in range(cfg.seq):

@@ -89,6 +89,23 @@ def one_device_tolerances(train: TrainConfig, loss: float) -> dict:
     return {"loss": FLOAT32_TOLERANCE, "params": FLOAT32_TOLERANCE, **_RELATIVE}
 
 
+def one_device_verdict(report: dict, train: TrainConfig) -> dict:
+    """Whether the run matches one device, each measure beside its tolerance for the run's dtype and precision
+    (:func:`one_device_tolerances`): ``matches`` and, for ``loss`` and ``params``, the
+    measure's name, its value and its tolerance. A mixed-precision run's parameters may stray from one device's as
+    far as 16-bit rounding moves one device from fp32 (``rel_param_diff_vs_fp32``): the same kind of perturbation."""
+    tolerance = one_device_tolerances(train, max(report["reference_losses"], default=0.0))
+    params_tolerance = tolerance["params"]
+    if params_tolerance is None:
+        params_tolerance = report["precision"]["rel_param_diff_vs_fp32"]
+    measures = {
+        "loss": ("max |loss diff|", report["max_abs_loss_diff"], tolerance["loss"]),
+        "params": (tolerance["params_measure"], report[tolerance["params_key"]], params_tolerance),
+    }
+    rows = {k: {"measure": m, "value": v, "tolerance": t} for k, (m, v, t) in measures.items()}
+    return {"matches": all(r["value"] <= r["tolerance"] for r in rows.values()), **rows}
+
+
 
 def convention(train: TrainConfig) -> Precision:
     """The memory model's convention a run trains in (:data:`course_lib.model.config.PRECISIONS`): its own precision, or

@@ -9,7 +9,7 @@ import math
 
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.cluster.topology import Topology, for_gpus, modeled
+from course_lib.cluster.topology import Topology, check_gpus, for_gpus, modeled
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
 from course_lib.parallel.schedules import PIPELINE_SCHEDULES, bubble_formula, bubble_ratio, peak_activations
@@ -105,7 +105,9 @@ def check_settings(gpus: int, gpus_per_node: int, global_batch: int, micro_batch
 
 def network(profile: HardwareProfile, gpus: int, gpus_per_node: int | None, topology: str | Topology | None) -> Network:
     """The :class:`course_lib.cluster.network.Network` a plan is timed on: the profile's nodes (of ``gpus_per_node``),
-    or ``topology`` sized to ``gpus`` (:func:`course_lib.cluster.topology.for_gpus`); not both."""
+    or ``topology`` sized to ``gpus`` (:func:`course_lib.cluster.topology.for_gpus`); not both. More GPUs than
+    :data:`course_lib.cluster.topology.MAX_GPUS` are refused first, so that no count of them takes long."""
+    check_gpus(gpus)
     if topology is None:
         return Network(profile, gpus_per_node or profile.gpus_per_node)
     if gpus_per_node is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib.model.formulas import params_from_dims, transformer_params
+from course_lib.model.formulas import check_params, params_from_dims, transformer_params
 
 DEFAULT_SEQ = 2048  # GPT-3's context (Brown et al. 2020)
 DEFAULT_GLOBAL_BATCH = 1024  # sequences: 2M tokens at 2048, GPT-3 13B's batch (Brown et al. 2020, Table 2.1)
@@ -310,6 +310,7 @@ def nominal_model(params: float, seq: int = DEFAULT_SEQ) -> Model:
     """A GPT-3-shaped stand-in when only the parameter count is known (Brown et al. 2020, Table 2.1, from 6.7B up:
     hidden = 128 x layers, heads of 128): hidden rounded to a multiple of 1024 (heads a multiple of 8), layers to
     a multiple of 8, from N = 12 L h^2."""
+    check_params(params)
     hidden = max(1024, round((HEAD_DIM * params / 12) ** (1 / 3) / 1024) * 1024)
     layers = max(8, round(params / (12 * hidden**2) / 8) * 8)
     return Model(f"gpt-like-{params / 1e9:.3g}b", params, layers, hidden, hidden // HEAD_DIM, seq, nominal=True)

@@ -48,11 +48,11 @@ import torch.distributed as dist
 from course_lib.ledgers import comm, trace
 from course_lib.runtime import failures
 from course_lib.runtime.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
+from course_lib.runtime.host import available_memory
 from course_lib.runtime.ranks import (
     PipeWriter,
     RankState,
     RankStatus,
-    available_memory,
     cores,
     describe_exit,
     die_with_parent,
@@ -190,7 +190,7 @@ RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages 
 def max_local_ranks() -> int:
     """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
     the memory available to this process fits at :data:`RANK_MEMORY_BYTES` each
-    (:func:`course_lib.runtime.ranks.available_memory`: page cache counts as available, a cgroup's limit as a limit)."""
+    (:func:`course_lib.runtime.host.available_memory`: page cache counts as available, a cgroup's limit as a limit)."""
     by_cores = max(8, 4 * cores())
     available = available_memory()
     return by_cores if available is None else max(1, min(by_cores, available // RANK_MEMORY_BYTES))

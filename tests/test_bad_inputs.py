@@ -264,12 +264,12 @@ BAD = (
         (["run", "dp", "--batch", "10000000"], "3.3 TB of activations for 10000000 x 32 tokens), more than the"),
         (["demo", "--layers", "1000000"], "demo: single on 1 ranks: the one-device reference would need about"),
         (["run", "dp", "--seed", "99999999999999999999999"], "seed must be a whole number from 0 to 18,446,688,733"),
-        (["plan", "--gpus", "1000000", "--params", "7e9"], "1,000,000 GPUs is more than the 131,072 the planner"),
-        (["goodput", "--gpus", "1000000"], "goodput: 1,000,000 GPUs is more than the 131,072 the planner takes"),
+        (["plan", "--gpus", "1000000", "--params", "7e9"], "--gpus: must be at most 131,072"),
+        (["goodput", "--gpus", "1000000"], "--gpus: must be at most 131,072 (eight times the largest published"),
         (["plan", "--gpus", "8", "--params", "7e9", "--topology", "h100-superpod:99999999999"], "799,999,999,992 GPU"),
         (["plan", "--gpus", "8", "--params", "7e9", "--topology", "gb200-nvl72:99999999999"], "would have 7,199,99"),
         (["plan", "--gpus", "8", "--params", "7e9", "--topology", "tpu-v5p:99999x99999x99999"], "more than the 131"),
-        (["plan", "--gpus", "1000000", "--params", "7e9", "--topology", "tpu-v5p"], "more than the 131,072"),
+        (["plan", "--gpus", "1000000", "--params", "7e9", "--topology", "tpu-v5p"], "at most 131,072"),
         (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod:99999999999"], "a topology is built with"),
     ]
 )

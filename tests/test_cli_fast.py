@@ -102,7 +102,7 @@ REFUSED = [
     (["plan"], 2, "the following arguments are required: --gpus"),
     (["plan", "--gpus", "0"], 2, "argument --gpus: must be a whole number of at least 1"),
     (["plan", "--gpus", "2.5"], 2, "argument --gpus: must be a whole number of at least 1, got 2.5"),
-    (["plan", "--gpus", "1e9"], 2, "argument --gpus: must be at most 1e+07 (more GPUs than any cluster holds)"),
+    (["plan", "--gpus", "1e9"], 2, "argument --gpus: must be at most 131,072 (eight times the largest published"),
     (["plan", "--gpus", "8", "--preset", "gpt5"], 2, "argument --preset: invalid choice: 'gpt5'"),
     (["plan", "--gpus", "8", "--schedule", "gpipe"], 2, "argument --schedule: invalid choice: 'gpipe'"),
     (["plan", "--gpus", "8", "--params", "nan"], 2, "argument --params: must be a finite number greater than 0"),
@@ -233,7 +233,7 @@ def test_a_size_takes_a_suffix(parse, text, value):
         (gpu_count, "0K", "must be a whole number of at least 1"),
         (gpu_count, "1.5", "must be a whole number of at least 1, got 1.5"),
         (gpu_count, "1.0001K", "must be a whole number of at least 1"),
-        (gpu_count, "11M", "must be at most 1e+07"),
+        (gpu_count, "11M", "must be at most 131,072"),
         (token_count, "2G", "must be at most 1e+09"),
     ],
 )

@@ -14,6 +14,9 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from course_lib.cluster.topology import MAX_GPUS
+from course_lib.model.formulas import MAX_PARAMS
+
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun
 
@@ -156,7 +159,8 @@ def _size(text: str, whole: bool, most: int, beyond: str) -> decimal.Decimal:
     except decimal.Overflow:
         value = decimal.Decimal(most) + 1
     if value > most:
-        raise argparse.ArgumentTypeError(f"must be at most {most:.0e} ({beyond}), got {text}")
+        shown = f"{most:.0e}" if most >= 1e9 else f"{most:,}"
+        raise argparse.ArgumentTypeError(f"must be at most {shown} ({beyond}), got {text}")
     if whole and value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
     if value < 1:
@@ -165,13 +169,14 @@ def _size(text: str, whole: bool, most: int, beyond: str) -> decimal.Decimal:
 
 
 def param_count(text: str) -> float:
-    """A number of parameters: ``7B``, ``1.5T``, ``70M``, ``175e9``; at most 1e15."""
-    return float(_size(text, whole=False, most=10**15, beyond="a thousand times the largest model trained"))
+    """A number of parameters: ``7B``, ``1.5T``, ``70M``, ``175e9``; at most the formulas' bound, 1e15."""
+    return float(_size(text, whole=False, most=MAX_PARAMS, beyond="a thousand times the largest model trained"))
 
 
 def gpu_count(text: str) -> int:
-    """A number of GPUs: ``16384``, ``16K``, ``100k``; a whole number, at most 1e7."""
-    return int(_size(text, whole=True, most=10**7, beyond="more GPUs than any cluster holds"))
+    """A number of GPUs: ``16384``, ``16K``, ``100k``; a whole number, at most the planner's and the topologies'
+    bound, 131,072."""
+    return int(_size(text, whole=True, most=MAX_GPUS, beyond="eight times the largest published run's 16,384"))
 
 
 def token_count(text: str) -> int:

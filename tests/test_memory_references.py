@@ -23,6 +23,7 @@ from course_lib.model.formulas import (
     activation_bytes_per_layer,
     memory_formula,
     model_state_formula,
+    stage_shape,
     transformer_params,
 )
 from course_lib.planner.presets import make_model
@@ -229,3 +230,67 @@ def test_the_memory_command_says_where_it_differs_from_the_reference(capsys):
     out = capsys.readouterr().out
     assert "bytes on the busiest GPU (the first pipeline stage)" in out
     assert "against the reference: weights and optimizer equal Megatron-LM's" in out
+
+
+# ------------------------------------------------------------------------------------------------ uneven stages
+# Megatron-Bridge's toy model (its tests/unit_tests/training/utils/test_theoretical_memory_utils.py): hidden 16,
+# 4 heads, FFN 64, vocabulary 32, untied, no biases, LayerNorm, 8 layers at PP 4 with 1 layer on the first stage and
+# 3 on the last (2 on each other), its distributed optimizer over DP 4 (6 + 12/4 = 9 bytes a parameter).
+BRIDGE_TOY = {"layers": 8, "hidden": 16, "vocab": 32}
+BRIDGE_UNEVEN = (1, 2, 2, 3)
+
+
+def bridge_toy_states(stage_layers: tuple[int, ...], stage: int | None = None) -> dict:
+    params = transformer_params(**BRIDGE_TOY, heads=4, ffn=64, tied=False, biases=False)["total"]
+    return model_state_formula(
+        params, "megatron", zero=1, dp=4, pp=4, stage_layers=stage_layers, stage=stage,
+        **stage_shape(BRIDGE_TOY["vocab"], BRIDGE_TOY["hidden"], BRIDGE_TOY["layers"], tied=False),
+    )  # fmt: skip
+
+
+def test_the_heaviest_uneven_stage_equals_megatron_bridges():
+    """Bridge's test asserts 9,952 parameters and 89,568 bytes on the heaviest stage: the last, 3 layers of 3,072
+    weights and two 2h LayerNorms each, the final LayerNorm and the 32 x 16 head."""
+    assert 3 * (3072 + 4 * 16) + 2 * 16 + 32 * 16 == 9952
+    assert states(bridge_toy_states(BRIDGE_UNEVEN)) == 89568 == 9 * 9952
+    assert states(bridge_toy_states(BRIDGE_UNEVEN, stage=3)) == 89568
+    first = 3072 + 4 * 16 + 32 * 16  # one layer and the embedding
+    assert states(bridge_toy_states(BRIDGE_UNEVEN, stage=0)) == 9 * first
+    even = 2 * 3072 + (2 * 8 + 1) * 2 * 16 / 4 + 32 * 16  # Megatron-LM's even split: the norms spread evenly
+    assert states(bridge_toy_states(())) == 9 * even
+
+
+def test_memory_formula_takes_the_stages_from_the_layout():
+    """The same through a layout, with the activations: the busiest stage is the one whose states and activations
+    add up to the most, and its states are Bridge's 9 x 9,952 bytes when it is the last."""
+    layout = Layout(pp=4, dp=4, zero=1, stage_layers=BRIDGE_UNEVEN, micro_batch=2)
+    params = transformer_params(**BRIDGE_TOY, heads=4, ffn=64, tied=False, biases=False)["total"]
+    got = memory_formula(params, "megatron", layout, seq=8, heads=4, ffn=64, tied=False, **BRIDGE_TOY)
+    assert got["stage"] == "last" and states(got) == 89568
+
+
+def test_an_uneven_middle_stage_can_hold_the_most_activations():
+    """1F1B: stage i of p keeps p - i microbatches in flight (Narayanan et al. 2021), so with layers (1, 2, 2, 3)
+    the second stage keeps 3 x 2 layers against the first's 4 x 1 and the last's 3 x 1: 6 layers' activations
+    (a small model, whose weights do not decide), below the even split's first stage, 4 x 2 layers and the inputs."""
+    s, b, h, a = 2048, 1, 4096, 32
+    got = memory_formula(1e6, "mixed", Layout(pp=4, stage_layers=BRIDGE_UNEVEN), layers=8, seq=s, hidden=h, heads=a)
+    assert got["stage"] == "stage 1"
+    assert got["activations"] == 6 * activation_bytes_per_layer(s, b, h, a)
+    even = memory_formula(1e6, "mixed", Layout(pp=4), layers=8, seq=s, hidden=h, heads=a)
+    assert even["stage"] == "first"
+    assert even["activations"] == 8 * activation_bytes_per_layer(s, b, h, a) + 4 * (8 * s * b + s * b * h)
+
+
+@pytest.mark.parametrize(
+    ("layout", "words"),
+    [
+        (Layout(pp=4, stage_layers=(2, 2, 4)), "each of the 4 pipeline stages at least one layer"),
+        (Layout(pp=4, stage_layers=(0, 3, 2, 3)), "each of the 4 pipeline stages at least one layer"),
+        (Layout(pp=4, stage_layers=(1, 2, 2, 2)), "add up to 7 layers, not 8"),
+        (Layout(pp=4, chunks=2, stage_layers=(2, 2, 2, 2)), "one model chunk per stage"),
+    ],
+)
+def test_uneven_stages_that_do_not_fit_are_refused(layout, words):
+    with pytest.raises(ValueError, match=words):
+        memory_formula(1e9, "mixed", layout, layers=8, seq=2048, hidden=4096, heads=32)

@@ -2,12 +2,14 @@
 executed on real ranks against one device, with the ledger and memory against the predictions."""
 
 import itertools
+import json
 
 import pytest
 
 from course_lib.harness import run_scheme
 from course_lib.ledgers.memory import CATEGORIES
 from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.parallel.catalog import layer_counts
 from course_lib.parallel.pipeline import split_layers
 from course_lib.parallel.schedule_sim import check, simulate
 from course_lib.parallel.schedules import Action, Costs, bubble_formula, bubble_ratio, generate
@@ -129,6 +131,55 @@ def test_every_schedule_trains_like_one_device(schedule, p, m, v):
         assert {op: c["bytes"] for op, c in rank["comm"].items()} == sent
         assert all(rank["memory"][c] == memory[c] for c in CATEGORIES)
         assert rank["memory"]["activations_peak"] == memory["activations"]
+
+
+UNEVEN = (1, 2, 2, 3)  # Megatron-Bridge's uneven-PP memory test: one layer on the first stage, three on the last
+
+
+def test_uneven_stages_train_like_one_device_and_hold_what_their_layers_say():
+    """A stage with fewer layers (Megatron-LM's first/last-stage layer counts; BLOOM-176B's first and last stage one
+    block short, for the embedding and the head): the same step as one device, and each rank's parameters,
+    gradients, optimizer state and 1F1B activation peak are what its prediction says. Stage i keeps p - i
+    microbatches of its layers in flight (Narayanan et al. 2021), so the second stage, 3 x 2 layers, keeps more
+    activations than the last, 1 x 3, and more parameters sit on the last than on the first."""
+    cfg = GPTConfig(layers=sum(UNEVEN))
+    run = run_scheme("pp", 4, cfg, TrainConfig(steps=2, dtype="float64"), microbatches=4, stage_layers=UNEVEN)
+    assert run.report["max_abs_loss_diff"] <= 1e-10 and run.report["max_abs_param_diff"] <= 1e-10
+    ranks = run.report["ranks"]
+    for rank, memory, sent in zip(ranks, run.predicted_memory, run.predicted_comm, strict=True):
+        assert {op: c["bytes"] for op, c in rank["comm"].items()} == sent
+        assert all(rank["memory"][c] == memory[c] for c in CATEGORIES)
+        assert rank["memory"]["activations_peak"] == memory["activations"]
+    even = run_scheme("pp", 4, cfg, TrainConfig(steps=1, dtype="float64"), microbatches=4).predicted_memory
+    assert [m["params"] for m in run.predicted_memory] != [m["params"] for m in even]
+    peaks = [rank["memory"]["activations_peak"] for rank in ranks]
+    assert peaks[1] > peaks[3] and ranks[3]["memory"]["params"] > ranks[0]["memory"]["params"]
+
+
+def test_uneven_stages_are_cut_as_given_and_refused_where_they_do_not_fit():
+    assert split_layers(8, 4, UNEVEN) == [range(0, 1), range(1, 3), range(3, 5), range(5, 8)]
+    with pytest.raises(ValueError, match="stage layers 1,2,2,2 must give each of the 4 pipeline stages"):
+        run_scheme("pp", 4, GPTConfig(layers=8), stage_layers=(1, 2, 2, 2))
+    with pytest.raises(ValueError, match="stage layers 4,4 must give each of the 4 pipeline stages"):
+        run_scheme("pp", 4, GPTConfig(layers=8), stage_layers=(4, 4))
+    with pytest.raises(ValueError, match="--stage-layers gives each rank one stage; interleaved runs 2 chunks"):
+        run_scheme("pp", 2, GPTConfig(layers=8), schedule="interleaved", chunks=2, stage_layers=(4, 4))
+    with pytest.raises(ValueError, match="one per pipeline stage"):
+        layer_counts("1,two")
+    with pytest.raises(ValueError, match="at least one layer"):
+        layer_counts("0,4")
+    assert layer_counts("1,2,2,3") == UNEVEN
+
+
+def test_the_command_line_runs_uneven_stages(capsys):
+    """``--stage-layers 1,3`` reaches the scheme through the catalog, and the model gets the 4 layers it names."""
+    from course_lib.cli import main
+
+    assert main(["run", "pp", "--pp", "2", "--stage-layers", "1,3", "--steps", "1", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["options"] == {"stage_layers": [1, 3]}
+    first, last = (rank["memory"]["params"] for rank in data["ranks"])
+    assert last > first  # three layers and the tied head against one layer and the embedding
 
 
 P32, M32 = 4, 8

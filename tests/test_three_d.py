@@ -40,6 +40,8 @@ GRIDS = [
     # The two rows above in one run: ZeRO-1 buckets over two chunks per rank, the trained positions in the first.
     {"tp": 1, "pp": 2, "dp": 4, "schedule": "interleaved", "microbatches": 2, "chunks": 2, "zero": 1}
     | {"frozen_pos": False},
+    # Uneven stages (Megatron-LM's first/last-stage layer counts): one layer and the embedding, three and the head.
+    {"tp": 2, "pp": 2, "dp": 2, "stage_layers": (1, 3)},
 ]
 
 
@@ -75,7 +77,7 @@ def test_axis_traffic_formula_by_hand_for_one_rank():
         CFG,
         TrainConfig(),
         {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "kv": "ring", "zero": 0, "sp": False, "ep": 1}
-        | {"schedule": "1f1b", "microbatches": 4, "chunks": 1},
+        | {"schedule": "1f1b", "microbatches": 4, "chunks": 1, "stage_layers": ()},
         0,
     )
     S = e * 1 * s * h  # one microbatch's activations
@@ -127,7 +129,9 @@ def test_context_parallel_axis_traffic_by_hand_for_one_rank():
     """Rank 0 of TP 2 x CP 2 x DP 2, fp32, batch 8, 4 microbatches (1 sequence each, 16 of its 32 tokens)."""
     s, h, e, layers = CFG.seq, CFG.d_model, 4, CFG.layers
     o = {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "kv": "ring", "zero": 0, "sp": False, "ep": 1}
-    traffic = predict_axis_traffic(CFG, TrainConfig(), o | {"schedule": "1f1b", "microbatches": 4, "chunks": 1}, 0)
+    traffic = predict_axis_traffic(
+        CFG, TrainConfig(), o | {"schedule": "1f1b", "microbatches": 4, "chunks": 1, "stage_layers": ()}, 0
+    )
     S = e * 1 * (s // 2) * h  # one microbatch's activations, this rank's half of the tokens
     assert traffic["tp"] == 4 * (layers * 4 + 2) * (2 * 1 / 2) * S + 4 * 3 * (2 * 1 / 2) * e * (s // 2)
     block = e * 2 * 1 * (s // 2) * (h // 2)  # K and V of its 16 tokens and 2 of the 4 heads

@@ -286,7 +286,11 @@ class Layout(NamedTuple):
     """One way to lay a model out: the degrees (tensor, pipeline, data, context, expert parallel), the ZeRO stage,
     the microbatches per DP rank and the pipeline schedule with its model chunks per rank; and what each rank does
     with a microbatch of ``micro_batch`` sequences: sequence parallelism beside TP, the recompute mode
-    (:data:`RECOMPUTE_MODES`) and the attention kernel (:data:`ATTENTION_KERNELS`)."""
+    (:data:`RECOMPUTE_MODES`) and the attention kernel (:data:`ATTENTION_KERNELS`).
+
+    ``stage_layers``: the layers of each pipeline stage, first to last, when they are uneven (Megatron-LM's
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``; BLOOM-176B gave its first and
+    last stage one block fewer, for the embedding and the head); empty: as even as the layers allow."""
 
     tp: int = 1
     pp: int = 1
@@ -301,3 +305,4 @@ class Layout(NamedTuple):
     recompute: str = "none"
     attention: str = "flash"
     micro_batch: int = 1
+    stage_layers: tuple[int, ...] = ()

@@ -41,15 +41,25 @@ def check_params(params: float) -> None:
 
 
 def stage_params(
-    dense: float, pp: int, embedding: float = 0.0, tied: bool = True, replicated: float = 0.0
-) -> tuple[float, float]:
-    """Dense parameters on the pipeline stage that holds the most: (those tensor parallelism splits, those every
-    TP rank keeps whole). The stages share the layers evenly, ``replicated`` ones (LayerNorm weights) among them;
-    the first stage also holds the input embedding (``embedding`` = V x h) and the last the output head, its own
-    matrix when untied or a copy of the embedding when tied (Megatron-LM keeps one to sum their gradients), so with
-    ``pp`` > 1 the busiest stage holds its share of the layers plus one V x h matrix, and with ``pp`` = 1 the one
-    stage holds both matrices when untied. Megatron-LM's ``theoretical_memory_usage.py`` counts the most loaded
-    shard so; for a large vocabulary it is well above an even split (Llama-3-8B at PP 4: 2.27B against 2.01B)."""
+    dense: float,
+    pp: int,
+    embedding: float = 0.0,
+    tied: bool = True,
+    replicated: float = 0.0,
+    stage_layers: tuple[int, ...] = (),
+    final_norm: float = 0.0,
+) -> list[tuple[float, float]]:
+    """Dense parameters of each pipeline stage, first to last: (those tensor parallelism splits, those every TP
+    rank keeps whole). The first stage also holds the input embedding (``embedding`` = V x h) and the last the
+    output head, its own matrix when untied or a copy of the embedding when tied (Megatron-LM keeps one to sum
+    their gradients), so with ``pp`` > 1 each end stage holds its layers plus one V x h matrix, and with ``pp`` = 1
+    the one stage holds both matrices when untied.
+
+    Even stages (``stage_layers`` empty) share the layers and the ``replicated`` weights (LayerNorm) evenly, as
+    Megatron-LM's ``theoretical_memory_usage.py`` does; for a large vocabulary the end stages are well above an even
+    split (Llama-3-8B at PP 4: 2.27B against 2.01B). Uneven stages (``stage_layers``, the layers of each stage)
+    hold their layers' share of both, the ``final_norm`` (part of ``replicated``) on the last stage, as
+    Megatron-Bridge's estimator counts them (its PP 4 test with layers (1, 2, 2, 3): 9,952 on the last stage)."""
     matrices = 1 if tied else 2
     layers = dense - matrices * embedding - replicated
     if layers < 0:
@@ -58,17 +68,37 @@ def stage_params(
             f"{dense:g} dense parameters: check the vocabulary and the parameter count"
         )
     if pp == 1:
-        return layers + matrices * embedding, replicated
-    return layers / pp + embedding, replicated / pp
+        return [(layers + matrices * embedding, replicated)]
+    counts, final = stage_layers or (1,) * pp, final_norm if stage_layers else 0.0
+    total = sum(counts)
+    return [
+        (layers * n / total + embedding * (i in (0, pp - 1)), (replicated - final) * n / total + final * (i == pp - 1))
+        for i, n in enumerate(counts)
+    ]
+
+
+def check_stage_layers(pp: int, stage_layers: tuple[int, ...], layers: int | None = None) -> None:
+    """Refuse uneven stages that are not one positive count of layers per pipeline stage (adding up to ``layers``
+    when it is known), saying why."""
+    if not stage_layers:
+        return
+    if len(stage_layers) != pp or min(stage_layers) < 1:
+        raise ValueError(
+            f"stage_layers {tuple(stage_layers)} must give each of the {pp} pipeline stages at least one layer"
+        )
+    if layers is not None and sum(stage_layers) != layers:
+        raise ValueError(f"stage_layers {tuple(stage_layers)} add up to {sum(stage_layers)} layers, not {layers}")
 
 
 def stage_shape(vocab: int, hidden: int, layers: int, tied: bool = True, norm: str = "layernorm") -> dict:
     """:func:`model_state_formula`'s keywords for where the parameters sit (:func:`stage_params`): the V x h
-    embedding, tied or not, and the norm weights every TP rank keeps (two per layer and a final one)."""
+    embedding, tied or not, and the norm weights every TP rank keeps (two per layer and a final one, which uneven
+    stages put on the last)."""
     return {
         "embedding_params": vocab * hidden,
         "tied": tied,
         "replicated_params": (2 * layers + 1) * NORMS[norm] * hidden if layers else 0,
+        "final_norm": NORMS[norm] * hidden if layers else 0,
     }
 
 
@@ -87,13 +117,18 @@ def model_state_formula(
     tied: bool = True,
     replicated_params: float = 0.0,
     largest_layer: float = 0.0,
+    stage_layers: tuple[int, ...] = (),
+    final_norm: float = 0.0,
+    stage: int | None = None,
 ) -> dict[str, float]:
     """Predicted model-state bytes on the busiest device for ``params`` parameters, ``expert_params`` of them in
     routed experts, at ``precision``'s bytes per parameter (:data:`course_lib.model.config.PRECISIONS`:
     ``mixed``/``zero`` 16, ``megatron`` 18, ``deepspeed``, ``no-master`` 12, ``fp32`` 16).
 
-    Dense parameters: pipeline parallelism gives each stage its share of the layers, and the busiest stage one
-    V x h embedding matrix more (:func:`stage_params`, with ``embedding_params`` = V x h; 0: all spread evenly);
+    Dense parameters: pipeline parallelism gives each stage its share of the layers (``stage_layers``, the layers
+    of each stage when uneven), and the end stages one V x h embedding matrix more (:func:`stage_params`, with
+    ``embedding_params`` = V x h; 0: all spread evenly); the bytes are those of ``stage`` (counted from 0), or by
+    default of the stage that holds the most;
     tensor parallelism splits them over ``tp`` ranks but for ``replicated_params`` (LayerNorm weights, which every
     TP rank keeps). ZeRO then divides, over the ``dp * cp`` ranks that hold the same shard, the optimizer state
     (stage 1, P_os; Megatron-LM's distributed optimizer), also the gradients (stage 2, P_os+g) and also the
@@ -128,16 +163,23 @@ def model_state_formula(
             f"the expert-parallel group is carved out of a stage's tp x cp x dp = {tp * cp * dp} ranks: ep {ep} "
             f"does not divide it; choose an ep that does"
         )
-    split, whole = stage_params(params - expert_params, pp, embedding_params, tied, replicated_params)
-    out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
-    if expert_params:
-        experts = _sharded_states(expert_params / (ep * pp), bytes_of, zero, tp * cp * dp // ep)
-        out = {cat: out[cat] + experts[cat] for cat in CATEGORIES}
-    if zero == 3 and dp * cp > 1:
-        gathered = bytes_of.params * largest_layer / tp
-        out["params"] += gathered
-        out["grads"] += gathered
-    return out
+    check_stage_layers(pp, stage_layers)
+    rows = stage_params(params - expert_params, pp, embedding_params, tied, replicated_params, stage_layers, final_norm)
+    counts = stage_layers or (1,) * pp
+    per_stage = []
+    for (split, whole), n in zip(rows, counts, strict=True):
+        out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
+        if expert_params:  # each stage's layers hold their share of the experts
+            experts = _sharded_states(expert_params * n / (ep * sum(counts)), bytes_of, zero, tp * cp * dp // ep)
+            out = {cat: out[cat] + experts[cat] for cat in CATEGORIES}
+        if zero == 3 and dp * cp > 1:
+            gathered = bytes_of.params * largest_layer / tp
+            out["params"] += gathered
+            out["grads"] += gathered
+        per_stage.append(out)
+    if stage is not None:
+        return per_stage[stage]
+    return max(per_stage, key=lambda out: sum(out.values()))
 
 
 def _sharded_states(params: float, precision: Precision, zero: int, zero_group: int) -> dict[str, float]:
@@ -279,10 +321,10 @@ def memory_formula(
     largest_layer: float | None = None,
 ) -> dict[str, float]:
     """Bytes on the busiest device of ``layout``: model states (:func:`model_state_formula`) and, when the dims are
-    given, activations (:func:`busiest_stage_activations`), and ``stage``, which pipeline stage that is (``first``,
-    ``last``, or ``all`` without a pipeline). Of the layout, the degrees, ZeRO stage, model chunks per stage,
-    sequence parallelism, recompute mode, attention kernel and micro-batch size count; the schedule is 1F1B's or
-    the interleaved one's (``chunks`` > 1).
+    given, activations (:func:`stage_activations`), of the pipeline stage whose states and activations add up to
+    the most, and ``stage``, which one that is (:func:`stage_name`). Of the layout, the degrees, ZeRO stage, model
+    chunks per stage, sequence parallelism, recompute mode, attention kernel, micro-batch size and uneven stages
+    (``stage_layers``) count; the schedule is 1F1B's or the interleaved one's (``chunks`` > 1).
 
     With the ``vocab`` and ``hidden`` known, the busiest stage holds one V x h embedding matrix beside its layers
     (two on a single stage when untied), every TP rank keeps the ``norm`` weights whole (LayerNorm 2h, RMSNorm h, two
@@ -296,24 +338,21 @@ def memory_formula(
         shape = stage_shape(vocab, hidden, layers or 0, tied, norm)
         if largest_layer is None:
             largest_layer = max(vocab * hidden, hidden * (4 * hidden if ffn is None else ffn))
-    out = model_state_formula(
-        params,
-        precision,
-        layout.zero,
-        layout.dp,
-        layout.tp,
-        layout.pp,
-        expert_params,
-        layout.ep,
-        layout.cp,
-        largest_layer=largest_layer or 0.0,
-        **shape,
-    )
-    out["activations"], out["stage"] = 0.0, "all" if layout.pp == 1 else "first"
+    degrees = (layout.zero, layout.dp, layout.tp, layout.pp, expert_params, layout.ep, layout.cp)
+    per_stage = [
+        model_state_formula(
+            params, precision, *degrees, largest_layer=largest_layer or 0.0, stage_layers=layout.stage_layers,
+            stage=i, **shape,
+        )
+        for i in range(layout.pp)
+    ]  # fmt: skip
+    activations = [0.0] * layout.pp
     if layers:
-        out["activations"], out["stage"] = busiest_stage_activations(
+        activations = stage_activations(
             layout, layers, seq, hidden, heads, vocab, ffn=ffn, kv_heads=kv_heads, swiglu=swiglu
         )
+    busiest = max(range(layout.pp), key=lambda i: sum(per_stage[i].values()) + activations[i])
+    out = per_stage[busiest] | {"activations": activations[busiest], "stage": stage_name(busiest, layout.pp)}
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
     return out
 
@@ -329,7 +368,8 @@ def _check_shape(
 ) -> None:
     """Refuse a model shape that is half given or that the layout cannot split, saying why: tensor parallelism
     splits whole heads (and K/V heads, or copies them), context parallelism cuts the sequence into 2 x cp chunks,
-    and an interleaved schedule gives each model chunk at least one layer."""
+    an interleaved schedule gives each model chunk at least one layer, and uneven stages give each stage at least
+    one, all the layers in all, with one model chunk each (as Megatron-LM's first and last stage counts do)."""
     dims = (layers, seq, hidden, heads)
     if any(d is not None for d in dims) and any(d is None for d in dims):
         raise ValueError("activations need all of layers, seq, hidden and heads (or none of them)")
@@ -349,6 +389,9 @@ def _check_shape(
     check_norm(norm)
     if chunks < 1 or (chunks > 1 and pp == 1):
         raise ValueError("chunks (model chunks per pipeline stage) must be at least 1, and 1 without a pipeline")
+    check_stage_layers(pp, layout.stage_layers, layers)
+    if layout.stage_layers and chunks > 1:
+        raise ValueError("uneven stages (stage_layers) take one model chunk per stage: leave chunks at 1")
     if layers is not None and chunks > math.ceil(layers / pp):
         raise ValueError(
             f"the interleaved schedule cuts each stage's {math.ceil(layers / pp)} layers into {chunks} model chunks "
@@ -356,7 +399,14 @@ def _check_shape(
         )
 
 
-def busiest_stage_activations(
+def stage_name(stage: int, pp: int) -> str:
+    """A pipeline stage in words: ``all`` without a pipeline, ``first``, ``last``, or ``stage i`` (from 0)."""
+    if pp == 1:
+        return "all"
+    return "first" if stage == 0 else "last" if stage == pp - 1 else f"stage {stage}"
+
+
+def stage_activations(
     layout: Layout,
     layers: int,
     seq: int,
@@ -367,19 +417,20 @@ def busiest_stage_activations(
     ffn: float | None = None,
     kv_heads: int | None = None,
     swiglu: bool = False,
-) -> tuple[float, str]:
-    """Activation bytes on the busiest pipeline stage and which stage that is (``first``, ``last``, or ``all``
-    without a pipeline): ``layers`` layers of :func:`activation_bytes_per_layer` for a micro-batch, and what lies
-    outside them.
+) -> list[float]:
+    """Activation bytes on each pipeline stage, first to last: its layers of :func:`activation_bytes_per_layer`
+    for each microbatch it keeps in flight, and what lies outside them.
 
-    With a 1F1B pipeline the first stage keeps ``pp`` microbatches of its ``layers/pp`` layers in flight, which is
-    one microbatch of all ``layers`` (Korthikanti et al. 2022, §4.2.3), and with the interleaved schedule over
-    ``chunks`` model chunks per stage 1 + (pp-1)/(pp x chunks) times that (Megatron-LM's
-    ``theoretical_memory_usage.py``). Outside the layers the first stage keeps, per microbatch in flight, the token
-    ids (8 bytes each) and the embedding's dropout mask (sbh bytes); the stage with the output head keeps, for its
-    one microbatch, the head's input and the fp32 logits of the cross-entropy, 4sbh + 4sbV bytes (Megatron's
-    count), all split by TP under sequence parallelism. The last stage (its layers for one microbatch and the
-    logits) is the busiest when the vocabulary is large enough.
+    With a 1F1B pipeline stage i of p keeps p - i microbatches in flight (Narayanan et al. 2021, §2.2.1), so the
+    first keeps p microbatches of its layers/p layers, which is one microbatch of all ``layers`` (Korthikanti et
+    al. 2022, §4.2.3), and with the interleaved schedule over ``chunks`` model chunks per stage 1 + (p-1)/(p x
+    chunks) times that (Megatron-LM's ``theoretical_memory_usage.py``). Uneven stages (``layout.stage_layers``)
+    keep their own layers so: with (1, 2, 2, 3) the second stage, 3 microbatches of 2 layers, holds the most.
+    Outside the layers the first stage keeps, per microbatch in flight, the token ids (8 bytes each) and the
+    embedding's dropout mask (sbh bytes); the stage with the output head keeps, for its one microbatch, the head's
+    input and the fp32 logits of the cross-entropy, 4sbh + 4sbV bytes (Megatron's count), all split by TP under
+    sequence parallelism. The last stage (its layers for one microbatch and the logits) holds the most when the
+    vocabulary is large enough.
     """
     tp, pp, cp, sp, micro_batch = layout.tp, layout.pp, layout.cp, layout.sp, layout.micro_batch
     layer = activation_bytes_per_layer(
@@ -401,10 +452,12 @@ def busiest_stage_activations(
     inputs = (8 * sb + sb * hidden) / (split * cp)  # token ids, the embedding's dropout mask
     outputs = (4 * sb * hidden + 4 * sb * vocab / (1 if sp else tp)) / (split * cp) if vocab else 0.0
     if pp == 1:
-        return layers * layer + inputs + outputs, "all"
-    first = interleaved_activation_factor(pp, layout.chunks) * (layers * layer + pp * inputs)
-    last = layers / pp * layer + outputs
-    return max((first, "first"), (last, "last"))
+        return [layers * layer + inputs + outputs]
+    counts = layout.stage_layers or (1,) * pp
+    kept = [layers * n * (pp - i) / sum(counts) * layer for i, n in enumerate(counts)]  # p - i in flight
+    kept[0] = interleaved_activation_factor(pp, layout.chunks) * (kept[0] + pp * inputs)
+    kept[-1] += outputs
+    return kept
 
 
 def transformer_params(

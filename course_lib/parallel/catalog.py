@@ -47,6 +47,27 @@ ASYNC_TP = Option("async_tp", "async TP: the all-gathers and reduce-scatters as 
 SCHEDULE = Option("schedule", f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b)", str)
 MICROBATCHES = Option("microbatches", "microbatches per step (default 4)", int)
 CHUNKS = Option("chunks", "model chunks per rank, for interleaved (default 1; zb-v and dualpipev fix 2)", int)
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """``--stage-layers``' type: the layers of each pipeline stage, first to last, separated by commas."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"give whole numbers separated by commas, one per pipeline stage (1,2,2,3), not {text!r}"
+        ) from None
+    if min(counts) < 1:
+        raise ValueError(f"every pipeline stage needs at least one layer: {text!r}")
+    return counts
+
+
+STAGE_LAYERS = Option(
+    "stage_layers",
+    "layers of each pipeline stage, first to last, e.g. 1,2,2,3 (Megatron-LM's first/last-stage layer counts; "
+    "default: as even as they go)",
+    layer_counts,
+)
 KV = Option(
     "kv",
     "how K and V reach every rank: ring (send/recv around the ring, default) or all-gather (Llama 3)",
@@ -67,7 +88,7 @@ EP = Option(
 ZERO = Option("zero", "ZeRO-1 over the data-parallel (x context-parallel) ranks", int, choices=(0, 1))
 SP = Option("sp", "sequence parallel inside the tensor-parallel groups")
 
-SCHEDULE_OPTIONS = (GRAD_ACCUM, SCHEDULE, MICROBATCHES, CHUNKS)  # run --help shows them under "schedule"
+SCHEDULE_OPTIONS = (GRAD_ACCUM, SCHEDULE, MICROBATCHES, CHUNKS, STAGE_LAYERS)  # run --help shows them under "schedule"
 
 
 @dataclass(frozen=True)
@@ -91,8 +112,12 @@ CARDS = {
         Card("zero3", options=(OVERLAP, GRAD_ACCUM, RESHARD, MODEL)),
         Card("tp", ("tp",)),
         Card("sp", ("tp",), (ASYNC_TP,)),
-        Card("pp", ("pp",), (SCHEDULE, MICROBATCHES, CHUNKS)),
-        Card("3d", ("tp", "cp", "pp", "dp"), (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP)),
+        Card("pp", ("pp",), (SCHEDULE, MICROBATCHES, CHUNKS, STAGE_LAYERS)),
+        Card(
+            "3d",
+            ("tp", "cp", "pp", "dp"),
+            (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP, STAGE_LAYERS),
+        ),
         Card("cp", ("cp",), (KV, GRAD_ACCUM)),
         Card("ep", ("ep",)),
     )

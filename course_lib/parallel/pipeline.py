@@ -27,7 +27,7 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.gpt import MoE, TinyGPT, make_optimizer
-from course_lib.parallel.catalog import CHUNKS, MICROBATCHES, SCHEDULE
+from course_lib.parallel.catalog import CHUNKS, MICROBATCHES, SCHEDULE, STAGE_LAYERS
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
 from course_lib.parallel.interface import Scheme
 from course_lib.parallel.schedule_sim import simulate
@@ -46,17 +46,25 @@ from course_lib.runtime import launch
 from course_lib.runtime.checkpoint_state import Held
 
 
-def split_layers(layers: int, stages: int) -> list[range]:
-    """Contiguous layer ranges for each stage, as equal as possible (earlier stages get the extra layers)."""
+def split_layers(layers: int, stages: int, counts: tuple[int, ...] = ()) -> list[range]:
+    """Contiguous layer ranges for each stage: ``counts`` layers each when given (uneven stages, as Megatron-LM's
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` make them), else as equal as
+    possible (earlier stages get the extra layers)."""
+    if counts and (len(counts) != stages or sum(counts) != layers or min(counts) < 1):
+        raise ValueError(
+            f"stage layers {','.join(map(str, counts))} must give each of the {stages} pipeline stages at least one "
+            f"layer and all {layers} layers in all"
+        )
     if stages > layers:
         raise ValueError(
             f"{stages} pipeline stages (ranks x chunks) for {layers} layers: every stage needs at least one layer. "
             f"Use at most {layers} stages or a deeper model."
         )
     base, extra = divmod(layers, stages)
+    sizes = counts or [base + (s < extra) for s in range(stages)]
     bounds = [0]
-    for s in range(stages):
-        bounds.append(bounds[-1] + base + (s < extra))
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
@@ -141,20 +149,25 @@ def stage_params(stages: dict[int, PipelineStage]) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for s in stages.values() for name, p in s.reference_names().items()}
 
 
-def cut_stages(model: TinyGPT, rank: int, p: int, chunks: int, schedule: str) -> dict[int, PipelineStage]:
+def cut_stages(
+    model: TinyGPT, rank: int, p: int, chunks: int, schedule: str, stage_layers: tuple[int, ...] = ()
+) -> dict[int, PipelineStage]:
     """Rank ``rank``'s stages by chunk, cut from ``model``, each chunk the virtual stage the schedule places there
-    (:func:`course_lib.parallel.schedules.virtual_stage`); ``chunks`` as given for the schedule (a V has 2)."""
+    (:func:`course_lib.parallel.schedules.virtual_stage`); ``chunks`` as given for the schedule (a V has 2);
+    ``stage_layers``: the layers of each stage, when uneven (:func:`split_layers`)."""
     v = chunks_per_rank(schedule, chunks)
-    ranges = split_layers(model.cfg.layers, p * v)
+    ranges = split_layers(model.cfg.layers, p * v, stage_layers)
     where = {c: virtual_stage(schedule, rank, c, p) for c in range(v)}
     return {c: PipelineStage(model, s, p * v, ranges[s]) for c, s in where.items()}
 
 
-def build_stages(model: TinyGPT, rank: int, p: int, chunks: int, schedule: str = "1f1b") -> dict[int, PipelineStage]:
+def build_stages(
+    model: TinyGPT, rank: int, p: int, chunks: int, schedule: str = "1f1b", stage_layers: tuple[int, ...] = ()
+) -> dict[int, PipelineStage]:
     """Rank ``rank``'s stages by chunk (:func:`cut_stages`), cut from ``model`` (the one-device model or its
     tensor-parallel version); the model keeps only what its embedding and loss need, so the other ranks' layers
     are freed."""
-    stages = cut_stages(model, rank, p, chunks, schedule)
+    stages = cut_stages(model, rank, p, chunks, schedule, stage_layers)
     model.blocks = nn.ModuleList()
     return stages
 
@@ -293,12 +306,15 @@ def train_pipeline(
     schedule: str = "1f1b",
     microbatches: int = 4,
     chunks: int = 1,
+    stage_layers: tuple[int, ...] = (),
     measure_memory: bool = True,
 ) -> dict:
-    """Rank function: the whole world is one pipeline; every step runs ``schedule`` over ``microbatches``."""
+    """Rank function: the whole world is one pipeline; every step runs ``schedule`` over ``microbatches``;
+    ``stage_layers``, the layers of each stage when uneven (a stage with fewer layers, as BLOOM-176B gave the
+    stages that hold the embedding and the head)."""
     rank, p = dist.get_rank(), dist.get_world_size()
     model = TinyGPT(cfg, seed=train.seed, dtype=train.torch_dtype).to(launch.rank_device())
-    stages = build_stages(model, rank, p, chunks, schedule)
+    stages = build_stages(model, rank, p, chunks, schedule, stage_layers)
     optimizer = make_optimizer(nn.ModuleList(stages.values()).parameters(), train)
     ends = embedding_ranks(schedule, p, chunks)
     tied = comm.new_group(ends, "embedding") if len(ends) > 1 else None
@@ -317,9 +333,13 @@ def train_pipeline(
 
 
 def check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
-    """The schedule exists for these sizes, every virtual stage gets a layer, the batch splits into microbatches."""
+    """The schedule exists for these sizes, every virtual stage gets a layer (uneven stages one chunk a rank), the
+    batch splits into microbatches."""
     validate_schedule(o["schedule"], stages, o["microbatches"], o["chunks"])
-    split_layers(cfg.layers, stages * chunks_per_rank(o["schedule"], o["chunks"]))
+    v = chunks_per_rank(o["schedule"], o["chunks"])
+    if o["stage_layers"] and v > 1:
+        raise ValueError(f"--stage-layers gives each rank one stage; {o['schedule']} runs {v} chunks a rank")
+    split_layers(cfg.layers, stages * v, o["stage_layers"])
     if batch % o["microbatches"]:
         raise ValueError(f"the batch of {batch} sequences does not split into {o['microbatches']} equal microbatches")
 
@@ -330,12 +350,12 @@ def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> No
 
 @functools.lru_cache(maxsize=8)
 def stage_layout(
-    cfg: GPTConfig, train: TrainConfig, p: int, chunks: int, schedule: str = "1f1b"
+    cfg: GPTConfig, train: TrainConfig, p: int, chunks: int, schedule: str = "1f1b", stage_layers: tuple[int, ...] = ()
 ) -> list[dict[int, PipelineStage]]:
     """Every pipeline rank's stages (:func:`cut_stages`), cut from a one-device model (for the predictions; no
     ranks needed)."""
     model = TinyGPT(cfg, dtype=train.torch_dtype)
-    return [cut_stages(model, r, p, chunks, schedule) for r in range(p)]
+    return [cut_stages(model, r, p, chunks, schedule, stage_layers) for r in range(p)]
 
 
 def reference_params(stages: dict[int, PipelineStage]) -> list[tuple[str, nn.Parameter]]:
@@ -353,7 +373,8 @@ def activation_peaks(
     ends = {"first": first_bytes, "last": acts["outside_layers"] - first_bytes}
     peaks = []
     tables = generate(o["schedule"], p, o["microbatches"], o["chunks"])
-    for table, stages in zip(tables, stage_layout(cfg, train, p, o["chunks"], o["schedule"]), strict=True):
+    layout = stage_layout(cfg, train, p, o["chunks"], o["schedule"], o["stage_layers"])
+    for table, stages in zip(tables, layout, strict=True):
         per_mb = {
             c: len(s.layers) * acts["per_layer"] + ends["first"] * s.first + ends["last"] * s.last
             for c, s in stages.items()
@@ -375,7 +396,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     peak of the activations its table keeps alive (:func:`activation_peaks`)."""
     peaks = activation_peaks(cfg, train, world_size, o, train.batch // o["microbatches"])
     rows = []
-    layout = stage_layout(cfg, train, world_size, o["chunks"], o["schedule"])
+    layout = stage_layout(cfg, train, world_size, o["chunks"], o["schedule"], o["stage_layers"])
     for stages, peak in zip(layout, peaks, strict=True):
         held = reference_params(stages)
         trainable = [q for _, q in held if q.requires_grad]
@@ -428,10 +449,12 @@ SCHEMES = (
         validate,
         predict_memory,
         predict_comm,
-        (SCHEDULE, MICROBATCHES, CHUNKS),
+        (SCHEDULE, MICROBATCHES, CHUNKS, STAGE_LAYERS),
         axes=("pp",),
         describe=describe,
-        layers_needed=lambda world_size, o: world_size * chunks_per_rank(o["schedule"], o["chunks"]),
+        layers_needed=lambda world_size, o: (
+            sum(o["stage_layers"]) or world_size * chunks_per_rank(o["schedule"], o["chunks"])
+        ),
         checkpoint=True,
     ),
 )

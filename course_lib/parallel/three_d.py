@@ -98,6 +98,7 @@ from course_lib.parallel.pipeline import (
     CHUNKS,
     MICROBATCHES,
     SCHEDULE,
+    STAGE_LAYERS,
     PipelineStage,
     PipelineSync,
     activation_peaks,
@@ -208,6 +209,7 @@ def train_3d(
     microbatches: int = 4,
     chunks: int = 1,
     ep: int = 1,
+    stage_layers: tuple[int, ...] = (),
     measure_memory: bool = True,
 ) -> dict:
     """Rank function: the world is a dp x pp x cp x tp grid, with an MoE's experts split over ``ep`` of the dp
@@ -217,7 +219,7 @@ def train_3d(
     tied = tied_embedding_group(mesh, schedule, chunks)
     grads, *_ = joint_group(mesh, GRAD_AXES)
     model = grid_model(cfg, train, mesh, sp, kv)
-    stages = build_stages(model.to(launch.rank_device()), mesh.coords["pp"], pp, chunks, schedule)
+    stages = build_stages(model.to(launch.rank_device()), mesh.coords["pp"], pp, chunks, schedule, stage_layers)
     if cfg.experts:
         fold_experts(mesh, ep)
         counted = mesh.groups[counts_axis(microbatches)]
@@ -404,7 +406,7 @@ def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict)
     sizes = grid_sizes(world_size, o)
     e, t, n = train.torch_dtype.itemsize, o["tp"], o["dp"] * o["cp"]
     micro = train.batch // (o["dp"] * o["microbatches"])
-    layout = stage_layout(cfg, train, o["pp"], o["chunks"], o["schedule"])
+    layout = stage_layout(cfg, train, o["pp"], o["chunks"], o["schedule"], o["stage_layers"])
     exact = o["cp"] == 1 and not cfg.experts
     peaks = activation_peaks(cfg, train, o["pp"], o, micro, tp=t, sp=o["sp"]) if exact else [None] * len(layout)
     rows = []
@@ -444,7 +446,7 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
     c, t, p, n = coords_of(rank, sizes), o["tp"], o["pp"], o["dp"] * o["cp"]
     e, m = train.torch_dtype.itemsize, o["microbatches"]
     micro = train.batch // (o["dp"] * m)
-    stages = stage_layout(cfg, train, p, o["chunks"], o["schedule"])[c["pp"]]
+    stages = stage_layout(cfg, train, p, o["chunks"], o["schedule"], o["stage_layers"])[c["pp"]]
     first, last = any(s.first for s in stages.values()), any(s.last for s in stages.values())
     tied = len(embedding_ranks(o["schedule"], p, o["chunks"])) > 1
     layers = sorted(i for s in stages.values() for i in s.layers)
@@ -514,10 +516,12 @@ SCHEMES = (
         validate,
         predict_memory,
         predict_comm,
-        (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP),
+        (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP, STAGE_LAYERS),
         axes=("tp", "cp", "pp", "dp"),
         describe=describe,
-        layers_needed=lambda world_size, o: o["pp"] * chunks_per_rank(o["schedule"], o["chunks"]),
+        layers_needed=lambda world_size, o: (
+            sum(o["stage_layers"]) or o["pp"] * chunks_per_rank(o["schedule"], o["chunks"])
+        ),
         moe=True,
         # An MoE in a pipeline of microbatches trains without the balance loss (see check_experts).
         model_settings={"aux_loss_coef": 0.0},

@@ -49,7 +49,8 @@ def evaluate(
     """Memory (:func:`memory_formula`, TP with SP where the layout asks for it and TP splits, experts over EP,
     activations over CP and for an interleaved schedule's chunks), bubble, step time, FLOPs and their rate, and
     placement of one layout."""
-    tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp, recompute, attention, micro_batch = layout
+    # the stage split (stage_layers) reaches memory_formula with the layout
+    tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp, recompute, attention, micro_batch, _ = layout
     sp = sp and tp > 1
     memory = memory_formula(model.params, precision, layout._replace(sp=sp), **model.memory_shape())
     _schedule_activations(memory, schedule, pp, m)

@@ -1,6 +1,7 @@
-"""The planner's step-time model against 13 published runs: Narayanan et al. 2021's Table 1 (ten GPT models on up to
-3,072 A100s) and Llama 3's Table 4 (405B on 8,192 and 16,384 H100s): each row's TFLOP/s per GPU, counted as its
-source counts FLOPs, within 15% of the published figure, with one set of hardware assumptions per GPU generation."""
+"""The planner's step-time model against 19 published runs: Narayanan et al. 2021's Table 1 (ten GPT models on up to
+3,072 A100s), Llama 3's Table 4 (405B on 8,192 and 16,384 H100s) and six of llm-foundry's FSDP rows (MPT 1B to 70B on
+8 to 64 H100s): each row's TFLOP/s per GPU, counted as its source counts FLOPs, within 15% of the published figure,
+with one set of hardware assumptions per GPU generation, or, for the rows pinned here, a miss its row explains."""
 
 import dataclasses
 import math
@@ -9,23 +10,51 @@ import pytest
 
 from course_lib.cluster.profiles import ATTENTION_EFFICIENCY, MATMUL_EFFICIENCY, PROFILES
 from course_lib.model.formulas import params_from_dims
-from course_lib.planner.published import LLAMA3_2024, NARAYANAN_2021, ROWS, estimate, narayanan_flops
+from course_lib.planner.published import (
+    LLAMA3_2024,
+    LLM_FOUNDRY_2023,
+    NARAYANAN_2021,
+    ROWS,
+    compare,
+    estimate,
+    llm_foundry_flops,
+    narayanan_flops,
+    report,
+)
 
 TOLERANCE = 0.15
+_LLMF = "MosaicML llm-foundry, scripts/train/benchmarking/README.md, H100 80GB BF16, "
+EXPLAINED = {_LLMF + r for r in ("13b on 8 GPUs, seq 2,048", "7b on 8 GPUs, seq 2,048", "7b on 8 GPUs, seq 65,536",
+                                 "1b on 8 GPUs, seq 2,048")}  # fmt: skip
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
-def test_estimated_tflops_per_gpu_within_15_percent_of_the_published(row):
+def test_estimated_tflops_per_gpu_within_15_percent_of_the_published_or_the_miss_explained(row):
     e = estimate(row)
-    assert abs(e.ratio - 1) <= TOLERANCE, (
+    within = abs(e.ratio - 1) <= TOLERANCE
+    message = (
         f"{row.label}: estimated {e.tflops_per_gpu:.1f} TFLOP/s per GPU against the published "
         f"{row.tflops_per_gpu:g} ({e.ratio:.3f}x); {e.breakdown()}"
     )
+    # An explanation only where the estimate misses, so that none outlives the miss it explains.
+    assert within != bool(row.explained), message
 
 
-def test_thirteen_rows_ten_on_a100s_three_on_h100s():
-    assert len(NARAYANAN_2021) == 10 and len(LLAMA3_2024) == 3 and len(ROWS) == 13
-    assert {r.hardware for r in NARAYANAN_2021} == {"a100"} and {r.hardware for r in LLAMA3_2024} == {"h100"}
+def test_the_explained_rows_are_these():
+    assert {r.label for r in ROWS if r.explained} == EXPLAINED
+
+
+def test_the_report_prints_every_row_and_every_explanation():
+    text = report(compare())
+    assert all(r.label in text for r in ROWS)
+    assert all(f"missed: {r.explained}" in text for r in ROWS if r.explained)
+    assert text.count("missed:") == len(EXPLAINED)
+
+
+def test_nineteen_rows_ten_on_a100s_nine_on_h100s():
+    assert len(NARAYANAN_2021) == 10 and len(LLAMA3_2024) == 3 and len(LLM_FOUNDRY_2023) == 6 and len(ROWS) == 19
+    assert {r.hardware for r in NARAYANAN_2021} == {"a100"}
+    assert {r.hardware for r in LLAMA3_2024 + LLM_FOUNDRY_2023} == {"h100"}
     # No row carries an efficiency of its own: the profiles' one number per generation is all there is.
     fields = {f.name for f in dataclasses.fields(ROWS[0])}
     assert not {"efficiency", "matmul_efficiency", "attention_efficiency"} & fields
@@ -48,6 +77,15 @@ def test_rows_are_internally_consistent(row):
         assert row.tflops_per_gpu * row.gpus / 1e3 == pytest.approx(printed["aggregate_pflops"], rel=0.01)
         assert row.peak_fraction == pytest.approx(row.tflops_per_gpu / 312, abs=0.006)  # "% of peak", 312 TFLOP/s
         assert row.model.params == params_from_dims(row.model.layers, row.model.hidden, 51200, 2048)
+    elif row in LLM_FOUNDRY_2023:
+        # FSDP alone over every GPU; the parameters counted from the dims are the printed NumParams (which grows with
+        # the learned positions) but for MPT's qkv bias, 3 d a layer, which the course's count leaves out; "Model
+        # TFLOP" per GPU over MFU is 989.5 TFLOP/s in every row, the H100's peak as llm-foundry takes it, to the
+        # printed MFU's rounding.
+        assert (row.tp, row.pp, row.cp, row.zero) == (1, 1, 1, 3)
+        assert row.model.params + 3 * row.model.layers * row.model.hidden == printed["num_params"]
+        assert row.peak_fraction == pytest.approx(row.tflops_per_gpu / 989.5, abs=5e-5)
+        assert printed["mfu_percent"] == 100 * row.peak_fraction
     else:
         # 16M tokens a batch, Batch size/DP sequences on each DP rank; MFU against the H100's ~989 TFLOP/s (row 2
         # prints 41% beside 400 TFLOP/s, 40.4% of 989: within a point).
@@ -79,3 +117,21 @@ def test_each_source_counts_its_own_flops():
     e = estimate(LLAMA3_2024[1])
     assert e.tflops_per_gpu == pytest.approx(e.candidate.tflops_per_gpu, rel=1e-12)
     assert e.candidate.hardware_flops == e.candidate.model_flops
+
+
+def test_llm_foundry_counts_unmasked_attention_and_every_parameter():
+    # By hand from the table's 7B row at 2,048 tokens: its tokens/s per GPU and NumParams give its printed MFU by
+    # (6 N s + 12 L d s^2) x sequences/s / (GPUs x 989.5 TFLOP/s), attention not halved for the causal mask.
+    row = next(r for r in LLM_FOUNDRY_2023 if r.model.name == "mpt-7b" and r.model.seq == 2048)
+    printed = dict(row.printed)
+    s, layers, d, n = 2048, 32, 4096, printed["num_params"]
+    sequences_per_s = printed["tokens_per_s_per_gpu"] * 8 / s
+    mfu = (6 * n * s + 12 * layers * d * s**2) * sequences_per_s / (8 * 989.5e12)
+    assert mfu == pytest.approx(printed["mfu_percent"] / 100, abs=5e-4)
+    # The row's FLOPs are that convention's for its batch of 48, with the planner's parameter count.
+    assert llm_foundry_flops(row) == pytest.approx(48 * (6 * row.model.params * s + 12 * layers * d * s**2))
+    e = estimate(row)
+    assert e.tflops_per_gpu == pytest.approx(llm_foundry_flops(row) / e.candidate.step_time_s / 8 / 1e12)
+    # Twice the causal attention the planner's model FLOPs count, so above them; tokens/s from the same step.
+    assert llm_foundry_flops(row) - e.candidate.model_flops == pytest.approx(48 * 6 * layers * d * s**2, rel=1e-6)
+    assert e.tokens_per_s_per_gpu == pytest.approx(48 * s / e.candidate.step_time_s / 8)

@@ -231,10 +231,11 @@ _LLMF_RUN = (
 )
 VOCAB_MPT = 50368  # llm-foundry's MPT yamls
 _LLMF_SHORT_STEP = (
-    "one microbatch a step (GradAccum 1), a step of about a second: the planner hides FSDP's gathers under the "
-    "compute and counts no per-step cost but the matmuls and attention (not the optimizer step, the first gather "
-    "and last reduce-scatter nothing hides, nor eager PyTorch's kernel launches), which weigh most in a short step; "
-    "the 70B and 30B rows, several microbatches and tens of seconds a step, are within 15%"
+    "not fully explained: one microbatch a step (GradAccum 1), about a second; the planner hides FSDP's gathers "
+    "under the compute and counts no per-step cost beyond the matmuls and attention. Counting the first gather and "
+    "the last reduce-scatter that nothing hides closes little of the gap (checked); the optimizer step and eager "
+    "PyTorch's kernel launches are the candidates left, not measured. The 70B and 30B rows, several microbatches "
+    "and tens of seconds a step, are within 15%"
 )
 _LLMF_64K = (
     "65,536 tokens: attention is most of the step's FLOPs, and the planner times it as a FlashAttention-2 kernel "

@@ -175,7 +175,7 @@ class Diverges(nn.Module):
 
 
 def test_a_loss_that_is_not_finite_is_one_line_saying_where(capsys):
-    with pytest.raises(ValueError, match="your NanLoss's loss on the first batch is nan: a loss that is not finite"):
+    with pytest.raises(ValueError, match="your NanLoss's loss on the first batch is nan: a loss that is not a number"):
         run_scheme("dp", 2, model=NanLoss)
     with pytest.raises(ValueError, match=r"dp: the loss is not finite from step 1 on \(\[[0-9.]+, nan"):
         run_scheme("dp", 2, train=TrainConfig(steps=2), model=Diverges)

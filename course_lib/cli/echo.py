@@ -17,6 +17,7 @@ WORDS = {
     "zero": lambda stage: f"ZeRO-{stage}",
     "reshard_after_forward": lambda on: "parameters freed after forward" if on else "parameters kept after forward",
     "grad_accum": lambda k: f"{k} micro-batches accumulated" if k > 1 else None,
+    "stage_layers": lambda counts: f"stages of {', '.join(map(str, counts))} layers" if counts else None,
     "measure_memory": lambda on: None,
     "model": lambda factory: None,
 }

@@ -361,10 +361,10 @@ def check_model(cfg: GPTConfig, train: TrainConfig, model: ModelFactory) -> nn.M
             f"your {type(built).__name__}'s forward(tokens, targets) must return the mean loss, a scalar tensor "
             f"with a gradient; it returned {got}"
         )
-    if not torch.isfinite(loss):
+    if torch.isnan(loss):  # an infinite one may be 16-bit overflow, which the loss scaler's report names
         raise ValueError(
-            f"your {type(built).__name__}'s loss on the first batch is {loss.item()}: a loss that is not finite "
-            "cannot be trained (look for a log of 0, a division by 0 or an overflowing initialisation)"
+            f"your {type(built).__name__}'s loss on the first batch is nan: a loss that is not a number cannot be "
+            "trained (look for a log of 0, 0/0 or inf - inf)"
         )
     return built
 

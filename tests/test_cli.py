@@ -224,7 +224,7 @@ def test_hardware_lists_profiles_with_sources(capsys):
     assert data["h100"]["gpus_per_node"] == 8 and data["h100"]["sources"]
 
 
-@pytest.mark.parametrize("scheme", ["tp", "sp"])
+@pytest.mark.parametrize("scheme", [pytest.param("tp", marks=pytest.mark.slow), "sp"])  # sp takes tp's path and more
 def test_run_tensor_parallel_matches_one_device(capsys, scheme):
     data = run_json(capsys, "run", scheme, "--tp", "4", "--steps", "2")
     assert data["scheme"] == scheme and data["world_size"] == 4

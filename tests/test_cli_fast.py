@@ -122,7 +122,22 @@ def test_the_refusals_cover_every_command():
     assert {argv[0] for argv, _, _ in REFUSED if argv and not argv[0].startswith("-")} >= set(COMMANDS)
 
 
-@pytest.mark.parametrize(("argv", "status", "said"), REFUSED, ids=[" ".join(a) or "(nothing)" for a, _, _ in REFUSED])
+def _first_of_each_command(rows: list[tuple]) -> list:
+    """The rows as parameters, the first of each command in the default set and the rest slow: every command's
+    refusal path runs in a real process each time, the whole table in make test-slow (and CI), and every row in
+    process in tests/test_bad_inputs.py's style."""
+    seen: set[str] = set()
+    params = []
+    for argv, status, said in rows:
+        command = argv[0] if argv else ""
+        params.append(pytest.param(argv, status, said, marks=[pytest.mark.slow] * (command in seen)))
+        seen.add(command)
+    return params
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "said"), _first_of_each_command(REFUSED), ids=[" ".join(a) or "(nothing)" for a, _, _ in REFUSED]
+)
 def test_a_refusal_is_one_line_without_torch_or_a_process(argv, status, said, tmp_path):
     done, seen = probe(tmp_path, *argv)
     assert done.returncode == status and done.stdout == ""

@@ -120,6 +120,7 @@ def stops_itself(folder):
     comm.all_reduce(t)
 
 
+@pytest.mark.slow  # the default set names a stopped rank in test_a_rank_stopped_inside_a_collective_...
 def test_a_stopped_rank_is_named_as_stopped(pid_dir):
     with pytest.raises(launch.RankError) as err:
         launch.run(stops_itself, 4, pid_dir, timeout=60, stall_timeout=1.5)
@@ -146,6 +147,7 @@ def test_a_rank_stopped_inside_a_collective_is_not_counted_among_its_waiters():
         launch.run(stopped_inside_a_collective, 4, timeout=60, stall_timeout=1.5)
     first = str(err.value).splitlines()[0]
     assert first.startswith("rank 3 of 4 held the run up: ranks [0, 1, 2] waited over 1.5 s"), first
+    assert "rank 3: stopped by a signal" in str(err.value)
 
 
 def rank_zero_dawdles():
@@ -423,7 +425,9 @@ launch.run(sleeper, 4, sys.argv[1], timeout=300, stall_timeout=300)
 
 
 @pytest.mark.parametrize(
-    ("how", "signum"), [("file", signal.SIGKILL), ("stdin", signal.SIGTERM)], ids=["file-SIGKILL", "stdin-SIGTERM"]
+    ("how", "signum"),
+    [("file", signal.SIGKILL), pytest.param("stdin", signal.SIGTERM, marks=pytest.mark.slow)],
+    ids=["file-SIGKILL", "stdin-SIGTERM"],
 )
 def test_a_script_without_a_main_guard_launches_ranks_that_die_with_it(tmp_path, how, signum):
     """The ranks get their function by value and never re-run the caller's script, read from a file or from

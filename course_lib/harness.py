@@ -36,7 +36,7 @@ from course_lib.ledgers import comm, trace
 from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.model.formulas import tiny_gpt_memory, tiny_gpt_params
+from course_lib.model.formulas import bytes_text, check_reference_fits
 from course_lib.model.gpt import (
     ModelFactory,
     TrainResult,
@@ -169,20 +169,11 @@ def check_memory(
     available = host.available_memory()
     if available is None:
         return  # nothing to compare with: the launcher's own limits still hold
-    margin, model = launch.RANK_MEMORY_BYTES, options.get("model")
+    margin, model = host.RANK_MEMORY_BYTES, options.get("model")
     shape = "your model" if model is not None else f"{cfg.layers} layers x {cfg.d_model} wide"
-    have = f"more than the {_bytes(available)} this machine has available"
+    have = f"more than the {bytes_text(available)} this machine has available"
     if model is None:
-        one = tiny_gpt_memory(cfg, train.batch, precision.convention(train))
-        if one["total"] + margin > available:
-            count = sum(tiny_gpt_params(cfg).values())
-            raise ValueError(
-                f"the one-device reference would need about {_bytes(one['total'] + margin)} by the course's memory "
-                f"formula ({shape}, {count:,} parameters: {_bytes(one['total'] - one['activations'])} of weights, "
-                f"gradients and AdamW state, {_bytes(one['activations'])} of activations for "
-                f"{train.batch} x {cfg.seq} tokens), {have}; use fewer layers, a narrower model, or a shorter "
-                "sequence or smaller batch"
-            )
+        check_reference_fits(cfg, train, available)
     if launch.under_torchrun() or ranks.in_process:
         return  # torchrun's ranks are spread over its nodes; one in process is the reference's size
     if launch.compute_device(launch.resolve_backend(ranks.backend, world_size), ranks.device) != "cpu":
@@ -191,15 +182,10 @@ def check_memory(
     per_rank = [sum(row.get(k, 0) for k in (*CATEGORIES, "activations")) + margin for row in rows]
     if sum(per_rank) > available:
         raise ValueError(
-            f"{world_size} ranks would need about {_bytes(sum(per_rank))} ({_bytes(max(per_rank))} on the busiest "
-            f"rank by the course's memory formula: {shape}), {have}; use fewer layers or ranks, or a narrower model"
+            f"{world_size} ranks would need about {bytes_text(sum(per_rank))} ({bytes_text(max(per_rank))} on the "
+            f"busiest rank by the course's memory formula: {shape}), {have}; use fewer layers or ranks, or a narrower "
+            "model"
         )
-
-
-def _bytes(x: float) -> str:
-    """``x`` bytes in TB, GB or MB, one decimal."""
-    unit, scale = next((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)) if x >= s or u == "MB")
-    return f"{x / scale:,.1f} {unit}"
 
 
 def _patched(rank_fn: Callable, patch: tuple[str, str, Callable], *args, **kwargs):

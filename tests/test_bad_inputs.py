@@ -262,7 +262,7 @@ BAD = (
         (["run", "dp", "--hidden", "100000000"], "(2 layers x 100000000 wide, 240,000,018,200,000,025 parameters"),
         (["run", "dp", "--seq", "100000"], "2.6 TB of activations for 8 x 100000 tokens), more than the"),
         (["run", "dp", "--batch", "10000000"], "3.3 TB of activations for 10000000 x 32 tokens), more than the"),
-        (["demo", "--layers", "1000000"], "demo: single on 1 ranks: the one-device reference would need about"),
+        (["demo", "--layers", "1000000"], "demo: the one-device reference would need about"),
         (["run", "dp", "--seed", "99999999999999999999999"], "seed must be a whole number from 0 to 18,446,688,733"),
         (["plan", "--gpus", "1000000", "--params", "7e9"], "--gpus: must be at most 131,072"),
         (["goodput", "--gpus", "1000000"], "--gpus: must be at most 131,072 (eight times the largest published"),

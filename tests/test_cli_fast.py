@@ -255,3 +255,21 @@ def test_a_size_takes_a_suffix(parse, text, value):
 def test_a_size_refuses_what_is_no_count(parse, text, said):
     with pytest.raises(argparse.ArgumentTypeError, match="^" + said.replace("+", r"\+").replace("(", r"\(")):
         parse(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "dp", "--layers", "10000000"], "run dp: the one-device reference would need about"),  # 20 TB
+        (["demo", "--layers", "10000000"], "demo: the one-device reference would need about"),
+        (["run", "dp", "--seed", "99999999999999999999999"], "run dp: seed must be a whole number from 0 to"),
+    ],
+)
+def test_a_model_this_machine_cannot_hold_or_a_bad_seed_is_refused_without_torch(argv, said, tmp_path):
+    """The sizes the model's own formulas refuse (issue 37: a run that climbed past 13 GB, ranks that died on a seed)
+    answer before torch is imported, like the argument-level refusals."""
+    done, seen = probe(tmp_path, *argv)
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not seen["torch"], "torch was imported to refuse a command line"
+    assert seen["children"] == [], f"a refused command left processes: {seen['children']}"

@@ -7,12 +7,21 @@ import os
 import time
 
 from course_lib.cli.common import add_json_flag, command_parser, positive_int, save_plots, saved, say, write_json
-from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config, training_groups
+from course_lib.cli.training import (
+    add_training_flags,
+    check_sizes,
+    launch_limits,
+    model_config,
+    train_config,
+    training_groups,
+)
 from course_lib.ledgers.categories import CATEGORIES
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib.runtime import forkserver
+
+    check_sizes(args, "demo")  # before torch: the rank server warms only for a demo that will run
 
     forkserver.warm()  # the arguments are accepted: the rank server imports torch beside this process
     from course_lib.harness import SCHEMES, run_scheme, validate

@@ -19,7 +19,14 @@ from course_lib.cli.common import (
     say,
     write_json,
 )
-from course_lib.cli.training import add_training_flags, launch_limits, model_config, train_config, training_groups
+from course_lib.cli.training import (
+    add_training_flags,
+    check_sizes,
+    launch_limits,
+    model_config,
+    train_config,
+    training_groups,
+)
 from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import HALF_TYPES, MIXED_PRECISIONS, GPTConfig, TrainConfig
 from course_lib.parallel import catalog
@@ -246,6 +253,8 @@ def _loss_scale(text: str) -> str | float | None:
 def cmd_run(args: argparse.Namespace) -> int:
     options, axis_size = _scheme_settings(args, catalog.card(args.scheme))  # refused here without torch, as are
     fault, resume = _fault(args), _resume(args)  # the fault's and the resume's flags (--auto-resume looks for one)
+    if options.get("model") is None:
+        check_sizes(args, f"run {args.scheme}")
     if catalog.card(args.scheme).axes or fault is not None:  # ranks will start (single trains in this process)
         from course_lib.runtime import forkserver
 

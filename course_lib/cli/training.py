@@ -139,3 +139,20 @@ def _add_model_flags(model: argparse._ArgumentGroup, modeled: dict) -> None:
     model.add_argument(
         "--seed", type=natural, default=0, metavar="N", help="random seed of the weights and data (default 0)"
     )
+
+
+def check_sizes(args: argparse.Namespace, command: str) -> None:
+    """The tiny GPT's sizes and seed, and its one-device reference against this machine's memory
+    (:func:`course_lib.model.formulas.check_reference_fits`), refused as ``command: why`` before torch is imported
+    (the harness checks the ranks' memory, which needs the scheme's code, after)."""
+    from course_lib.model.formulas import check_reference_fits
+    from course_lib.runtime.host import available_memory
+
+    try:
+        cfg = model_config(args)
+    except ValueError:
+        return  # the scheme's own model settings (ep's experts) may make it valid: the harness says, with them
+    try:
+        check_reference_fits(cfg, train_config(args), available_memory())
+    except ValueError as err:
+        raise SystemExit(f"{command}: {err}") from None

@@ -19,6 +19,7 @@ from course_lib.model.config import (
     GPTConfig,
     Layout,
     Precision,
+    TrainConfig,
     check_attention,
     check_norm,
     check_recompute,
@@ -540,3 +541,31 @@ def tiny_gpt_memory(cfg: GPTConfig, batch: int, precision: Precision) -> dict[st
     }
     out["total"] = sum(out.values())
     return out
+
+
+def bytes_text(x: float) -> str:
+    """``x`` bytes in TB, GB or MB, one decimal."""
+    unit, scale = next((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)) if x >= s or u == "MB")
+    return f"{x / scale:,.1f} {unit}"
+
+
+def check_reference_fits(cfg: GPTConfig, train: TrainConfig, available: float | None) -> None:
+    """Refuse a tiny GPT whose one-device reference (the whole model and batch in one process,
+    :func:`tiny_gpt_memory`, the model never built) and its process's own ``RANK_MEMORY_BYTES`` do not fit the
+    ``available`` bytes (:func:`course_lib.runtime.host.available_memory`; None: nothing to compare with). Imports
+    no torch, so the command line refuses such a model before it imports torch."""
+    from course_lib.runtime.host import RANK_MEMORY_BYTES
+
+    if available is None:
+        return
+    one = tiny_gpt_memory(cfg, train.batch, train.precision or {"float32": "fp32", "float64": "fp64"}[train.dtype])
+    if one["total"] + RANK_MEMORY_BYTES > available:
+        count = sum(tiny_gpt_params(cfg).values())
+        raise ValueError(
+            f"the one-device reference would need about {bytes_text(one['total'] + RANK_MEMORY_BYTES)} by the "
+            f"course's memory formula ({cfg.layers} layers x {cfg.d_model} wide, {count:,} parameters: "
+            f"{bytes_text(one['total'] - one['activations'])} of weights, gradients and AdamW state, "
+            f"{bytes_text(one['activations'])} of activations for {train.batch} x {cfg.seq} tokens), more than the "
+            f"{bytes_text(available)} this machine has available; use fewer layers, a narrower model, or a shorter "
+            "sequence or smaller batch"
+        )

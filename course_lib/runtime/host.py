@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 MEMINFO = "/proc/meminfo"  # the kernel's account of the machine's memory (Linux)
+RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages beyond the forkserver's, generously
 
 # What a memory cgroup's files are called: its limit, its use, and the file cache in its memory.stat (counted as
 # free, as MemAvailable counts the machine's: the kernel reclaims it before it fails an allocation). v1's "total_"

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from course_lib.ledgers import comm, trace
 from course_lib.runtime import failures
 from course_lib.runtime.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
-from course_lib.runtime.host import available_memory
+from course_lib.runtime.host import RANK_MEMORY_BYTES, available_memory
 from course_lib.runtime.ranks import (
     PipeWriter,
     RankState,
@@ -184,7 +184,6 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages beyond the forkserver's, generously
 
 
 def max_local_ranks() -> int:

@@ -148,7 +148,9 @@ def overwrite_metadata(folder) -> str:
 def flip_manifest(folder) -> str:
     """A bit flipped in one of the manifest's own checksums: the manifest, not the shard, is named."""
     text = (folder / MANIFEST).read_text()
-    flip(folder / MANIFEST, text.index('"sha256": "') + len('"sha256": "'))
+    at = text.index('"sha256": "') + len('"sha256": "')
+    # Another hex digit, so the manifest stays valid JSON (flipping bit 0x10 of a "2" would make it a '"').
+    flip(folder / MANIFEST, at, bit=ord(text[at]) ^ ord("0" if text[at] != "0" else "1"))
     return f"{MANIFEST}: its own checksum differs (flipped or overwritten bytes)"
 
 

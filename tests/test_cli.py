@@ -269,6 +269,7 @@ def test_schedule_command_gives_no_zb_h1_formula_where_it_does_not_hold(capsys):
     assert "bubble fraction 0.0698 (formula: none here; Qi et al.'s ZB-H1 closed form holds" in out and "-0." not in out
 
 
+@pytest.mark.slow  # run pp's bubble lines: tests/test_run_report.py; the modeled bubble: lesson 05 §7
 def test_run_pp_reports_its_bubble(capsys):
     data = run_json(
         capsys,
@@ -314,8 +315,8 @@ def test_bad_numbers_and_paths_are_one_line_before_any_rank_starts(argv, message
 @pytest.mark.parametrize(
     "argv",
     [
-        pytest.param(["hardware"], marks=pytest.mark.slow),
-        ["run", "dp", "--world-size", "2", "--steps", "1"],
+        ["hardware"],  # the one BrokenPipeError handler in main serves every command
+        pytest.param(["run", "dp", "--world-size", "2", "--steps", "1"], marks=pytest.mark.slow),
     ],
     ids=["hardware", "run"],
 )

@@ -73,7 +73,7 @@ def our_tensor_parallel_losses(n: int, sp: bool) -> list[float]:
 
 
 # Default set: TP on 2 ranks, both SP options on 4 (they compare with the same run of ours); the rest is slow.
-DTENSOR_DEFAULT_N = {"tp": 2, "tp-sp": 4, "tp-sp-reduce-grads": 4}
+DTENSOR_DEFAULT_N = {"tp": 2, "tp-sp": 4, "tp-sp-reduce-grads": 2}
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """How fast the command line says no: the wall time of every command's ``--help`` and of a refusal of each kind (an
-unknown command or flag, a bad number, a bad choice, a bad size, a flag combination), each a fresh
-``python -m course_lib`` process. Target: under 0.5 s each, which parsing without torch makes possible (importing
+unknown command or flag, a bad number, a bad choice, a bad size, a flag combination, a scheme's own check), each a
+fresh ``python -m course_lib`` process. Target: under 0.5 s each, which parsing without torch makes possible (importing
 torch alone takes seconds on 2 cores).
 
 Each command line runs ``--repeats`` times; the median and the worst are printed, with the floor: a fresh interpreter
@@ -26,6 +26,10 @@ REFUSALS = [
     ["run", "nope"],
     ["run", "dp", "--tp", "2"],
     ["run", "dp", "--kill-rank", "1"],
+    ["run", "dp", "--world-size", "3"],  # the scheme's own checks (parallel/checks.py), without torch too
+    ["run", "tp", "--tp", "3"],
+    ["run", "pp", "--schedule", "dualpipev", "--microbatches", "4"],
+    ["run", "dp", "--layers", "1000000"],
     ["demo", "--world-size", "x"],
     ["memory", "--params", "7X"],
     ["memory", "--precision", "fp8"],

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cluster import placement as placing
-from course_lib.cluster.clock import ModeledRun, replay, resolve_topology
-from course_lib.cluster.profiles import HardwareProfile, get_profile
+from course_lib.cluster.clock import ModeledRun, replay
+from course_lib.cluster.profiles import HardwareProfile
+from course_lib.cluster.settings import ClusterSettings, check_cluster
 from course_lib.cluster.topology import Topology
 from course_lib.ledgers import comm, trace
 from course_lib.ledgers.categories import CATEGORIES
@@ -49,8 +50,8 @@ from course_lib.model.gpt import (
 )
 from course_lib.parallel import catalog
 from course_lib.parallel.interface import Scheme
-from course_lib.runtime import checkpoint, host, launch
-from course_lib.runtime.faults import Fault, injected
+from course_lib.runtime import checkpoint, checkpoint_plan, host, launch
+from course_lib.runtime.faults import Fault, check_fault, injected
 
 # The registry: the modules whose SCHEMES tuples hold the schemes, in the order the demo runs them.
 SCHEME_MODULES = ("data", "zero", "fsdp", "tensor", "pipeline", "three_d", "context", "expert")
@@ -88,24 +89,12 @@ class FaultSettings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     """Save into ``directory`` after every ``every``-th step, resume from ``resume``, write in the background
-    (``asynchronous``): :func:`course_lib.runtime.checkpoint.plan_for`."""
+    (``asynchronous``): :func:`course_lib.runtime.checkpoint_plan.plan_for`."""
 
     directory: str | None = None
     every: int | None = None
     resume: str | None = None
     asynchronous: bool = False
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    """The modeled cluster the last step is replayed on: a hardware profile, GPUs per node or a topology, a forced
-    collective algorithm, a placement of the mesh's axes."""
-
-    hardware: str | None = None
-    gpus_per_node: int | None = None
-    topology: Topology | str | None = None
-    algorithm: str | None = None
-    placement: str | None = None
 
 
 @dataclass
@@ -135,24 +124,9 @@ def validate(
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(ALIASES)}")
     spec = SCHEMES[name]
-    if cfg.experts and not spec.moe:
-        takers = [n for n, s in SCHEMES.items() if s.moe]
-        raise ValueError(
-            f"scheme {name!r} trains the dense tiny GPT, and this model has {cfg.experts} experts per layer; an MoE "
-            f"model runs under {takers} (or set experts=0)"
-        )
-    if train.precision is not None and train.precision not in spec.precisions:
-        takers = [n for n, s in SCHEMES.items() if train.precision in s.precisions]
-        raise ValueError(f"precision {train.precision!r} runs under schemes {takers}, not under {name!r}")
+    catalog.refuse(spec, world_size, cfg, train, options)
     if options.get("model") is not None:
-        if "model" not in spec.settings({}):
-            takers = [n for n, s in SCHEMES.items() if "model" in s.settings({})]
-            raise ValueError(
-                f"scheme {name!r} trains the course's tiny GPT only; your own model runs under {takers}. For tensor "
-                f"parallelism in your model, place ColumnParallelLinear/RowParallelLinear in it (parallelize_module)."
-            )
         check_model(cfg, train, options["model"])
-    spec.validate(world_size, cfg, train, spec.settings(options))
     check_memory(spec, world_size, cfg, train, options, ranks)
     return spec
 
@@ -289,42 +263,6 @@ def run_scheme(
     return SchemeRun(report, result, spec.predict_memory(world_size, cfg, train, settings), comm_bytes, modeled)
 
 
-def check_cluster(
-    cluster: ClusterSettings, world_size: int, axes: tuple[str, ...] = ()
-) -> tuple[HardwareProfile | None, Topology | None]:
-    """Refuse a modeled cluster that cannot be, saying what to add or drop; returns its hardware profile and its
-    topology resolved for ``world_size`` ranks (each None when not asked for). ``axes``: the run's mesh axes, which
-    a placement may name (a placement of axes the run does not have would place nothing)."""
-    profile = get_profile(cluster.hardware) if cluster.hardware is not None else None
-    if cluster.gpus_per_node is not None and cluster.gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be at least 1, not {cluster.gpus_per_node}")
-    if cluster.gpus_per_node is not None and profile is None:
-        raise ValueError("gpus_per_node shapes the modeled cluster's nodes, and only a hardware profile models one: "
-                         "add hardware (e.g. h100)")  # fmt: skip
-    if (cluster.topology is not None or cluster.algorithm is not None) and profile is None:
-        raise ValueError(
-            "a topology gives the modeled clock its links; its compute comes from a hardware profile: "
-            "add hardware (e.g. h100)"
-        )
-    if (cluster.algorithm is not None or cluster.placement is not None) and cluster.topology is None:
-        what = "an algorithm is forced" if cluster.algorithm is not None else "a placement puts the mesh's axes"
-        raise ValueError(f"{what} on a topology's links; add a topology (e.g. h100-superpod)")
-    if cluster.placement is not None:
-        named = [axis for level in placing.parse(cluster.placement) for axis in level]
-        missing = [axis for axis in named if axis not in axes]
-        if missing:
-            raise ValueError(
-                f"the placement {cluster.placement!r} names {', '.join(missing)}, which this run's mesh does not have "
-                f"(its axes: {', '.join(axes) or 'none, one rank'}); place only those"
-            )
-    if cluster.topology is None:
-        return profile, None
-    if cluster.gpus_per_node is not None:
-        raise ValueError("the topology says which GPUs share a node; drop gpus_per_node")
-    topology, _ = resolve_topology(cluster.topology, world_size, cluster.algorithm)
-    return profile, topology
-
-
 def wrap(
     spec: Scheme,
     world_size: int,
@@ -334,12 +272,12 @@ def wrap(
     faults: FaultSettings,
     saving: CheckpointSettings,
     in_process: bool,
-) -> tuple[Callable, checkpoint.CheckpointPlan | None]:
+) -> tuple[Callable, checkpoint_plan.CheckpointPlan | None]:
     """The scheme's rank function with what this run adds, innermost first: the swapped component, the checkpoint
     plan (:func:`course_lib.runtime.checkpoint.planned`), the fault (:func:`course_lib.runtime.faults.injected`);
     and the plan."""
     rank_fn = functools.partial(_patched, spec.train, faults.patch) if faults.patch else spec.train
-    plan = checkpoint.plan_for(
+    plan = checkpoint_plan.plan_for(
         spec.name,
         spec.checkpoint,
         world_size,
@@ -351,60 +289,27 @@ def wrap(
         saving.resume,
         saving.asynchronous,
     )
-    if plan is not None and train.precision is not None:
-        raise ValueError(
-            "checkpoints hold fp32 AdamW state per parameter, not a mixed-precision run's master weights and loss "
-            "scale: drop the checkpoint settings, or precision"
-        )
     if plan is not None:
         rank_fn = checkpoint.planned(rank_fn, plan)
     if faults.fault is not None:
-        _check_fault(faults.fault, world_size, train, plan, saving.asynchronous, in_process)
+        check_fault(faults.fault, world_size, train.steps, plan, saving.asynchronous, in_process)
         rank_fn = injected(rank_fn, faults.fault)
     return rank_fn, plan
 
 
-def _check_fault(
-    fault: Fault,
-    world_size: int,
-    train: TrainConfig,
-    plan: checkpoint.CheckpointPlan | None,
-    asynchronous: bool,
-    in_process: bool,
-) -> None:
-    """Refuse a fault this run cannot fire: in this process, before a resumed run's first step, in a checkpoint
-    phase of a step that saves none or of an asynchronous checkpoint."""
-    if in_process:
-        raise ValueError("a fault is injected into launched ranks, not into this process; drop in_process")
-    fault.check(world_size, train.steps)
-    start = plan.start if plan is not None else 0
-    if fault.step < start:
-        raise ValueError(f"cannot fail at step {fault.step}: the resumed run trains steps {start} to {train.steps - 1}")
-    if fault.phase == "checkpoint" and (plan is None or not plan.due(fault.step)):
-        raise ValueError(
-            f"a fault in the checkpoint phase fires in a step that saves one, and step {fault.step} does not: "
-            f"pass checkpoint_every=K with (step + 1) divisible by K"
-        )
-    if fault.phase == "checkpoint" and fault.kind == "hang" and asynchronous:
-        raise ValueError(
-            "a hang in the checkpoint phase of an asynchronous checkpoint would stop only the thread that writes "
-            "it, not the rank; hang a synchronous checkpoint, or another phase"
-        )
-
-
 @contextlib.contextmanager
-def _checkpoints_listed_on_failure(plan: checkpoint.CheckpointPlan | None) -> Iterator[None]:
+def _checkpoints_listed_on_failure(plan: checkpoint_plan.CheckpointPlan | None) -> Iterator[None]:
     """A :class:`course_lib.runtime.launch.RankError` of a run that saves checkpoints ends with what its checkpoint
     folder holds: the complete checkpoints, and the save in flight when the run failed
-    (:func:`course_lib.runtime.checkpoint.survey`)."""
+    (:func:`course_lib.runtime.checkpoint_plan.survey`)."""
     if plan is None or plan.directory is None:
         yield
         return
-    before = checkpoint.unfinished(plan.directory)
+    before = checkpoint_plan.unfinished(plan.directory)
     try:
         yield
     except launch.RankError as error:
-        error.args = (f"{error}\n{checkpoint.survey(plan.directory, before)}",)
+        error.args = (f"{error}\n{checkpoint_plan.survey(plan.directory, before)}",)
         raise
 
 
@@ -448,7 +353,7 @@ def report_run(
     train: TrainConfig,
     result: launch.RunResult,
     reference: TrainResult,
-    plan: checkpoint.CheckpointPlan | None,
+    plan: checkpoint_plan.CheckpointPlan | None,
     options: dict,
     ranks: LaunchSettings,
 ) -> dict:
@@ -514,12 +419,12 @@ def _rank_rows(result: launch.RunResult, last: int) -> list[dict]:
     return ranks
 
 
-def _checkpoint_notes(plan: checkpoint.CheckpointPlan | None, result: launch.RunResult) -> dict:
+def _checkpoint_notes(plan: checkpoint_plan.CheckpointPlan | None, result: launch.RunResult) -> dict:
     """The report's ``resumed_from`` (with the checkpoints of later steps the resume skipped, unfinished or damaged,
     each with why) and ``checkpoints`` entries, when the run resumed or saved."""
     notes: dict = {}
     if plan is not None and plan.resume is not None:
-        saved = checkpoint.read_meta(plan.resume)
+        saved = checkpoint_plan.read_meta(plan.resume)
         notes["resumed_from"] = {
             "path": plan.resume,
             "scheme": saved["scheme"],

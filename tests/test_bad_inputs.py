@@ -2,9 +2,14 @@
 
 Each row runs the command line in this process (``main(argv)``) with the launcher and the reference trainer made to
 fail the test if anything calls them, and checks the exit status, that exactly one line was printed (and no
-traceback), and that it took under 3 s. A few rows run as real subprocesses in ``test_cli.py`` too.
+traceback), and that it took under 3 s. Then every row runs again in one fresh interpreter that has not imported
+torch (:data:`PROBE`), which shows that no refusal imports torch, warms the rank server or leaves a process, and
+measures each one's CPU time (under a second: importing torch alone takes two on this course's 2-core CI).
 """
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -241,11 +246,15 @@ BAD = (
         (["memory", "--params", "-7e9"], "--params: must be a finite number greater than 0, got -7e9"),
         (["run", "dp", "--gpus-per-node", "4"], "gpus_per_node shapes the modeled cluster's nodes"),
         (["plan", *PLAN_405B, "--no-model-parallel"], "--no-model-parallel asks the planner to search data-parallel"),
-        (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "tp/pp"],
-         "the placement 'tp/pp' names tp, pp, which this run's mesh does not have (its axes: dp)"),  # fmt: skip
+        (
+            ["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "tp/pp"],
+            "the placement 'tp/pp' names tp, pp, which this run's mesh does not have (its axes: dp)",
+        ),  # fmt: skip
         # output folders found unwritable before any work, --checkpoint-dir too (it was found inside the ranks)
-        (["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"], "--checkpoint-dir /proc/ckpt: "
-         "cannot write there"),  # fmt: skip
+        (
+            ["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"],
+            "--checkpoint-dir /proc/ckpt: cannot write there",
+        ),  # fmt: skip
         (["run", "dp", "--checkpoint-dir", "/proc", "--checkpoint-every", "1"], "--checkpoint-dir /proc: cannot write"),
         (["run", "dp", "--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname: is a file"),
         (["run", "dp", "--plot", "/proc/figures"], "--plot /proc/figures: cannot write there"),
@@ -302,3 +311,48 @@ def test_a_bad_command_line_is_one_clear_line(argv, expected, nothing_may_start,
     assert message.strip().count("\n") == 0, f"more than one line:\n{message}"
     assert expected in message, message
     assert elapsed < 3, f"took {elapsed:.1f} s to refuse"
+
+
+# Runs the rows it reads on standard input through the command line, one after the other, and reports for each: its
+# exit status, the CPU seconds it took, whether it imported torch or warmed the rank server, and the processes left.
+PROBE = r"""
+import contextlib, io, json, os, sys, time
+from course_lib import cli
+from course_lib.runtime import forkserver
+
+warmed = []
+forkserver.warm = lambda: warmed.append(True)
+rows = []
+for argv in json.load(sys.stdin):
+    torch_before, cpu = "torch" in sys.modules, time.process_time()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cli.main(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    cpu = time.process_time() - cpu
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            children += f.read().split()
+    rows.append({"argv": argv, "code": code is not None and code != 0, "cpu": cpu, "children": children,
+                 "torch": not torch_before and "torch" in sys.modules, "warmed": bool(warmed)})
+    warmed.clear()
+print(json.dumps(rows))
+"""
+
+
+def test_no_refusal_imports_torch_or_starts_a_process():
+    """Issue 37's bar: every refusal before torch is imported, with nothing started, in under a second of CPU."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], input=json.dumps([argv for argv, _ in BAD]), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert len(rows) == len(BAD)
+    for row in rows:
+        assert row["code"], f"{row['argv']} was not refused"
+        assert not row["torch"], f"{row['argv']} imported torch to refuse"
+        assert not row["warmed"] and row["children"] == [], f"{row['argv']} started a process: {row['children']}"
+        assert row["cpu"] < 1, f"{row['argv']} took {row['cpu']:.2f} s of CPU to refuse"

@@ -18,7 +18,7 @@ from course_lib.harness import run_scheme
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import TinyGPT
 from course_lib.parallel.pipeline import Stages, stage_layout
-from course_lib.runtime import checkpoint
+from course_lib.runtime import checkpoint, checkpoint_plan
 from course_lib.runtime.checkpoint_state import Pieces
 from course_lib.runtime.faults import Fault
 from course_lib.runtime.launch import RankError
@@ -149,11 +149,13 @@ def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(uninterrup
     assert str(err.value).endswith(
         f"\ncheckpoints in {tmp_path}: step-2 (complete); step-4 was being written ({partial}) when the run failed"
     ), str(err.value)
-    assert (partial / ".metadata").is_file() and not (partial / checkpoint.META).exists()  # shards written, no rename
+    assert (partial / ".metadata").is_file() and not (
+        partial / checkpoint_plan.META
+    ).exists()  # shards written, no rename
     skipped = [{"path": str(partial), "why": "an unfinished save"}]
-    assert not (tmp_path / "step-4").exists() and checkpoint.find(tmp_path) == (tmp_path / "step-2", skipped)
+    assert not (tmp_path / "step-4").exists() and checkpoint_plan.find(tmp_path) == (tmp_path / "step-2", skipped)
     with pytest.raises(ValueError, match="not a checkpoint this course can read: missing file meta.json"):
-        checkpoint.read_meta(partial)
+        checkpoint_plan.read_meta(partial)
     resumed = run_scheme("zero3", 2, CFG, TRAIN, resume=tmp_path)
     assert resumed.report["resumed_from"]["skipped"] == skipped
     assert resumed.report["losses"] == uninterrupted("zero3").report["losses"][2:]
@@ -358,8 +360,8 @@ def test_a_killed_run_with_asynchronous_checkpoints_resumes_bitwise(six_steps, t
     writing; the newest complete checkpoint continues the run bit for bit."""
     with pytest.raises(RankError, match="rank 1 of 2 was killed by signal SIGKILL during step 5"):
         saved_in_background("zero3", tmp_path, fault=Fault(1, 5, "kill"))
-    newest, _ = checkpoint.find(tmp_path)
-    assert newest.name in ("step-2", "step-4") and (tmp_path / "step-2" / checkpoint.META).is_file()
+    newest, _ = checkpoint_plan.find(tmp_path)
+    assert newest.name in ("step-2", "step-4") and (tmp_path / "step-2" / checkpoint_plan.META).is_file()
     resumed = run_scheme("zero3", 2, CFG, SIX, resume=tmp_path)
     step = resumed.report["first_step"]
     assert resumed.report["losses"] == six_steps.report["losses"][step:]
@@ -380,7 +382,7 @@ def test_a_rank_killed_while_its_background_write_ends_leaves_the_previous_check
     assert said.endswith(
         f"\ncheckpoints in {folder}: step-2 (complete); step-4 was being written ({partial}) when the run failed\n"
     ), said
-    assert (partial / ".metadata").is_file() and checkpoint.find(folder)[0] == folder / "step-2"
+    assert (partial / ".metadata").is_file() and checkpoint_plan.find(folder)[0] == folder / "step-2"
     assert main([*common, "--resume", str(folder)]) == 0
     said = capsys.readouterr().out
     assert (
@@ -392,15 +394,17 @@ def test_a_rank_killed_while_its_background_write_ends_leaves_the_previous_check
 def test_a_failure_tells_the_save_in_flight_from_one_an_earlier_run_left(tmp_path):
     """A run's unfinished save is one it made; an earlier run's, which it never rewrote, is named as such."""
     (tmp_path / "step-2").mkdir()
-    (tmp_path / "step-2" / checkpoint.META).write_text("{}")
+    (tmp_path / "step-2" / checkpoint_plan.META).write_text("{}")
     (tmp_path / ".step-6.partial").mkdir()
-    before = checkpoint.unfinished(tmp_path)
+    before = checkpoint_plan.unfinished(tmp_path)
     (tmp_path / ".step-4.partial").mkdir()
-    assert checkpoint.survey(tmp_path, before) == (
+    assert checkpoint_plan.survey(tmp_path, before) == (
         f"checkpoints in {tmp_path}: step-2 (complete); step-4 was being written ({tmp_path / '.step-4.partial'}) "
         f"when the run failed; step-6 is an unfinished save an earlier run left ({tmp_path / '.step-6.partial'})"
     )
-    assert checkpoint.survey(tmp_path / "none", {}) == f"checkpoints in {tmp_path / 'none'}: no complete checkpoint"
+    assert (
+        checkpoint_plan.survey(tmp_path / "none", {}) == f"checkpoints in {tmp_path / 'none'}: no complete checkpoint"
+    )
 
 
 def test_auto_resume_with_only_an_unfinished_save_says_it_starts_over(tmp_path, capsys):

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from course_lib.cli import main
 from course_lib.harness import run_scheme
 from course_lib.model.config import GPTConfig, TrainConfig
-from course_lib.runtime import checkpoint
+from course_lib.runtime import checkpoint_plan
 from course_lib.runtime.checkpoint_manifest import MANIFEST
 
 CFG = GPTConfig(layers=1)  # the command line's tiny GPT with --layers 1
@@ -74,17 +74,17 @@ def flip_number(file: str, wanted):
 def flip_meta_step(folder) -> str:
     """A bit flipped in meta.json's step: 4 (0x34) becomes 5 (0x35), still valid JSON of the right types (the old
     code resumed at step 5 with exit 0)."""
-    text = (folder / checkpoint.META).read_text()
+    text = (folder / checkpoint_plan.META).read_text()
     assert text.count('"step": 4') == 1
-    flip(folder / checkpoint.META, text.index('"step": 4') + len('"step": '), bit=0x01)
-    return f"{checkpoint.META}: {FLIPPED}"
+    flip(folder / checkpoint_plan.META, text.index('"step": 4') + len('"step": '), bit=0x01)
+    return f"{checkpoint_plan.META}: {FLIPPED}"
 
 
 def edit_meta(change):
     def damage(folder) -> str:
-        meta = json.loads((folder / checkpoint.META).read_text())
+        meta = json.loads((folder / checkpoint_plan.META).read_text())
         expected = change(meta)
-        (folder / checkpoint.META).write_text(json.dumps(meta))
+        (folder / checkpoint_plan.META).write_text(json.dumps(meta))
         return expected
 
     return damage
@@ -92,23 +92,25 @@ def edit_meta(change):
 
 def drop_model_config(meta: dict) -> str:
     del meta["model_config"]
-    return f"{checkpoint.META}: missing 'model_config'"
+    return f"{checkpoint_plan.META}: missing 'model_config'"
 
 
 def step_as_text(meta: dict) -> str:
     meta["step"] = "4"
-    return f"{checkpoint.META}: 'step' is str '4', not int"
+    return f"{checkpoint_plan.META}: 'step' is str '4', not int"
 
 
 def other_format(meta: dict) -> str:
     meta["format"] = "course_lib.runtime.checkpoint/1"  # which had no model_factory: the format is named first
     del meta["model_factory"]
-    return f"{checkpoint.META}: format 'course_lib.runtime.checkpoint/1', not this course's {checkpoint.FORMAT}"
+    return (
+        f"{checkpoint_plan.META}: format 'course_lib.runtime.checkpoint/1', not this course's {checkpoint_plan.FORMAT}"
+    )
 
 
 def meta_a_list(folder) -> str:
-    (folder / checkpoint.META).write_text("[]")
-    return f"{checkpoint.META} holds a JSON list, not an object"
+    (folder / checkpoint_plan.META).write_text("[]")
+    return f"{checkpoint_plan.META} holds a JSON list, not an object"
 
 
 def cut(file: str, keep):
@@ -155,11 +157,11 @@ def flip_manifest(folder) -> str:
 
 
 def meta_cut_in_half(folder) -> str:
-    half = (folder / checkpoint.META).read_bytes()[: (folder / checkpoint.META).stat().st_size // 2]
-    (folder / checkpoint.META).write_bytes(half)
+    half = (folder / checkpoint_plan.META).read_bytes()[: (folder / checkpoint_plan.META).stat().st_size // 2]
+    (folder / checkpoint_plan.META).write_bytes(half)
     with pytest.raises(ValueError) as words:
         json.loads(half)
-    return f"{checkpoint.META} is not valid JSON ({words.value}): damaged"
+    return f"{checkpoint_plan.META} is not valid JSON ({words.value}): damaged"
 
 
 DAMAGE = {
@@ -174,7 +176,7 @@ DAMAGE = {
     "shard-missing": remove("__1_0.distcp", "missing file __1_0.distcp (the manifest lists it)"),
     "metadata-missing": remove(".metadata", "missing file .metadata (the manifest lists it)"),
     "metadata-overwritten": overwrite_metadata,
-    "meta-json-missing": remove(checkpoint.META, f"missing file {checkpoint.META}"),
+    "meta-json-missing": remove(checkpoint_plan.META, f"missing file {checkpoint_plan.META}"),
     "meta-json-not-json": meta_cut_in_half,
     "meta-json-key-missing": edit_meta(drop_model_config),
     "meta-json-wrong-type": edit_meta(step_as_text),
@@ -192,7 +194,7 @@ DAMAGE = {
 def test_a_damaged_checkpoint_is_refused_in_one_line_before_any_rank(case, saved, tmp_path, nothing_may_start):
     copy = tmp_path / "step-4"
     shutil.copytree(saved[1] / "step-4", copy)
-    assert checkpoint.problem(copy) is None  # the copy is intact: what follows is the damage's doing
+    assert checkpoint_plan.problem(copy) is None  # the copy is intact: what follows is the damage's doing
     reason = DAMAGE[case](copy)
     with pytest.raises(ValueError) as refused:
         run_scheme("zero3", 2, CFG, MORE, resume=copy)
@@ -247,7 +249,7 @@ def test_auto_resume_says_which_checkpoint_it_skipped_and_why(saved, tmp_path, c
         f"be read (Not a directory); skipped {copy / '.step-6.partial'}: an unfinished save; "
         f"skipped {copy / 'step-4'}: {reason}\n" in said
     ), said
-    assert checkpoint.problem(copy / "step-4") is None
+    assert checkpoint_plan.problem(copy / "step-4") is None
 
 
 def test_auto_resume_refuses_when_no_checkpoint_is_intact(saved, tmp_path, nothing_may_start):

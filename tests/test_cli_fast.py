@@ -151,11 +151,33 @@ def test_a_refusal_is_one_line_without_torch_or_a_process(argv, status, said, tm
     assert seen["children"] == [], f"a refused command left processes: {seen['children']}"
 
 
+BROKEN_MODEL = """
+import torch
+from torch import nn
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, tokens, targets):
+        return self.w.sum() * float("nan")
+
+
+def make():
+    return Broken()
+"""
+
+
 def test_a_run_refused_after_the_rank_server_started_leaves_it_stopped(tmp_path):
-    """A refusal that needs the scheme's code (3 ranks cannot split a batch of 8) comes after torch's import, beside
-    which the rank server was warming; the refusal ends the server at once instead of leaving it importing."""
-    done, seen = probe(tmp_path, "run", "dp", "--world-size", "3")
-    assert done.returncode == 1 and "does not split evenly over 3" in done.stderr, done.stderr
+    """The one refusal that needs torch: a student's model is built and its first loss computed (here NaN) after
+    the rank server started warming beside it (every scheme setting is refused before, without torch:
+    tests/test_bad_inputs.py); the refusal ends the server at once instead of leaving it importing."""
+    (tmp_path / "broken.py").write_text(BROKEN_MODEL)
+    done, seen = probe(tmp_path, "run", "dp", "--world-size", "2", "--model", f"{tmp_path / 'broken.py'}:make")
+    assert done.returncode == 1 and "loss on the first batch is nan" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
     assert not [c for c in seen["children"] if "forkserver" in c], seen["children"]
 
 
@@ -273,3 +295,28 @@ def test_a_model_this_machine_cannot_hold_or_a_bad_seed_is_refused_without_torch
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not seen["torch"], "torch was imported to refuse a command line"
     assert seen["children"] == [], f"a refused command left processes: {seen['children']}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--gpus", "64", "--preset", "llama3-8b"],
+        ["goodput", "--gpus", "1024"],
+        *[  # the same torch-free modules, in make test-slow
+            pytest.param(argv, marks=pytest.mark.slow)
+            for argv in (
+                ["memory", "--preset", "llama3-8b", "--tp", "2"],
+                ["hardware"],
+                ["schedule", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8"],
+            )
+        ],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_the_commands_that_train_nothing_never_import_torch(argv, tmp_path):
+    """The planner, the memory formulas, the schedules and the modeled cluster are torch-free: these commands answer
+    in a few tenths of a second (architecture.md, "Interfaces"; a schedule's figure draws with the ui's plots, which
+    import torch)."""
+    done, seen = probe(tmp_path, *argv)
+    assert done.returncode == 0, done.stderr
+    assert not seen["torch"] and seen["children"] == [], seen

@@ -197,7 +197,7 @@ def test_launches_from_two_threads_at_once(monkeypatch, each):
 def test_too_many_ranks_are_refused_before_any_starts():
     with pytest.raises(ValueError, match=r"world size 1000 is more ranks than this machine holds .*--max-ranks"):
         launch.run(rank_info, 1000, 0)
-    assert launch.max_local_ranks() >= 8, "the course's 3D grid needs 8 ranks on any machine"
+    assert host.max_local_ranks() >= 8, "the course's 3D grid needs 8 ranks on any machine"
     with pytest.raises(ValueError, match=r"world size 3 is more ranks than your limit allows \(max_ranks=2,") as err:
         launch.run(rank_info, 3, 0, max_ranks=2)
     assert "this machine" not in str(err.value), "the user's limit refused it, not the machine's rule"
@@ -272,9 +272,9 @@ def test_a_memory_cgroup_limits_the_memory_available(tmp_path, monkeypatch):
     monkeypatch.setattr(
         host, "memory_cgroups", lambda mountinfo, membership: [("cgroup2", tmp_path / "tight", tmp_path)]
     )
-    assert host.available_memory() == 2**26 and launch.max_local_ranks() == 1
+    assert host.available_memory() == 2**26 and host.max_local_ranks() == 1
     with pytest.raises(ValueError, match=r"this machine holds \(1: .* \(0\.1 GiB available, ~400 MB a rank\)\)"):
-        launch.check_world_size(2)
+        host.check_world_size(2)
 
 
 def test_without_meminfo_the_free_pages_count(tmp_path, monkeypatch):
@@ -290,7 +290,7 @@ def test_without_meminfo_the_free_pages_count(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "sysconf", no_sysconf)
     assert host.available_memory() is None
-    assert launch.max_local_ranks() == max(8, 4 * ranks.cores())
+    assert host.max_local_ranks() == max(8, 4 * host.cores())
 
 
 def free_pages_bytes() -> int:
@@ -329,9 +329,9 @@ def test_the_page_cache_does_not_count_against_the_rank_limit(tmp_path, monkeypa
         assert cached > FILL_BYTES // 2, f"free {free_before} -> {free} B, available {available_before} -> {available}"
         per_rank = (free + available) // 16  # between free / 8 and available / 8
         assert free // per_rank < 8 <= available // per_rank, (free, available)  # the old formula would refuse 8
-        monkeypatch.setattr(launch, "RANK_MEMORY_BYTES", per_rank)
-        assert launch.max_local_ranks() >= 8
-        launch.check_world_size(8)
+        monkeypatch.setattr(host, "RANK_MEMORY_BYTES", per_rank)
+        assert host.max_local_ranks() >= 8
+        host.check_world_size(8)
     finally:
         path.unlink(missing_ok=True)
 

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def with_toy(monkeypatch):
     """The one registry line and the catalog's card: what adding tests/toy_scheme.py to SCHEME_MODULES and its
-    name, axes and options to parallel/catalog.py does."""
+    card to parallel/catalog.py's CARDS does."""
     for spec in toy_scheme.SCHEMES:
         monkeypatch.setitem(SCHEMES, spec.name, spec)
-        monkeypatch.setitem(catalog.CARDS, spec.name, catalog.Card(spec.name, spec.axes, spec.options))
+    monkeypatch.setitem(catalog.CARDS, toy_scheme.CARD.name, toy_scheme.CARD)
 
 
 def test_a_new_scheme_runs_through_the_harness_equal_to_one_device_and_to_its_formulas(with_toy):

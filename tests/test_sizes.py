@@ -16,7 +16,7 @@ from course_lib.model.gpt import TinyGPT, synthetic_tokens
 from course_lib.model.precision import convention
 from course_lib.planner.layouts import divisors
 from course_lib.planner.search import plan
-from course_lib.runtime import host, launch
+from course_lib.runtime import host
 
 CONFIGS = [
     GPTConfig(),
@@ -74,7 +74,7 @@ def test_available_memory_is_read_from_meminfo(tmp_path, monkeypatch):
 
 
 def test_a_run_larger_than_the_memory_is_refused_before_any_rank(monkeypatch):
-    available = 2 * launch.RANK_MEMORY_BYTES + 1e8  # the reference fits, 4 ranks do not
+    available = 2 * host.RANK_MEMORY_BYTES + 1e8  # the reference fits, 4 ranks do not
     monkeypatch.setattr(host, "available_memory", lambda: available)
     cpu = harness.LaunchSettings(backend="gloo", device="cpu")
     with pytest.raises(ValueError, match=r"^4 ranks would need about 1\.7 GB \(421\.8 MB on the busiest rank by"):

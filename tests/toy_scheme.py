@@ -14,8 +14,7 @@ from course_lib.ledgers import comm
 from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import TinyGPT, count_params, final_params, make_optimizer
-from course_lib.parallel import data
-from course_lib.parallel.interface import Scheme
+from course_lib.parallel import catalog, checks, data
 from course_lib.runtime import launch
 
 
@@ -46,14 +45,15 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     return [{"all_gather": ring_factor("all_gather", n) * gathered} if n > 1 else {} for _ in range(n)]
 
 
+# What parallel/catalog.py's CARDS would hold: its name, checks (plain data parallelism's) and options; no
+# checkpoint (the course's checkpoints know nothing of it).
+CARD = catalog.Card("gather_dp", checks.check_batch_split, options=(catalog.GRAD_ACCUM,), checkpoint=False)
 SCHEMES = (
-    Scheme(
-        "gather_dp",
+    catalog.scheme(
+        CARD,
         "data parallel that all-gathers gradients: (n-1) x the bytes of one copy per rank",
         train_gathered,
-        data.check_batch_split,  # memory and checks are plain data parallelism's
-        data.predict_memory,
+        data.predict_memory,  # memory is plain data parallelism's
         predict_comm,
-        (data.GRAD_ACCUM,),
     ),
 )

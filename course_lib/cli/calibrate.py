@@ -11,17 +11,20 @@ from course_lib.cli.common import add_json_flag, command_parser, say, write_json
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from course_lib.cluster.profiles import check_name, save_profile
+    from course_lib.runtime.host import local_device
+
+    try:  # before torch is imported
+        device = local_device(args.device)
+        if args.name is not None:
+            check_name(args.name)
+    except ValueError as err:
+        raise SystemExit(f"calibrate: {err}") from None
     import torch
 
     from course_lib.cluster import calibrate
-    from course_lib.cluster.profiles import save_profile
 
-    try:
-        device = calibrate.resolve_device(args.device)
-        if args.name is not None:
-            calibrate.check_name(args.name)
-    except ValueError as err:
-        raise SystemExit(f"calibrate: {err}") from None
+    device = torch.device(device)
     say(args, f"measuring {device} ({calibrate.device_name(device)}) with torch {torch.__version__} ...")
     measured = calibrate.measure(device, quick=args.quick)
     profile = calibrate.as_profile(measured, args.name, args.links)

@@ -7,36 +7,25 @@ import os
 import time
 
 from course_lib.cli.common import add_json_flag, command_parser, positive_int, save_plots, saved, say, write_json
-from course_lib.cli.training import (
-    add_training_flags,
-    check_sizes,
-    launch_limits,
-    model_config,
-    train_config,
-    training_groups,
-)
+from course_lib.cli.training import add_training_flags, checked_configs, launch_limits, training_groups
 from course_lib.ledgers.categories import CATEGORIES
+from course_lib.model.config import GPTConfig, TrainConfig
+from course_lib.parallel import catalog
+from course_lib.runtime import host
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from course_lib.runtime import forkserver
 
-    check_sizes(args, "demo")  # before torch: the rank server warms only for a demo that will run
-
+    sizes, cfgs, train = _checked_schemes(args)  # before torch: the rank server warms only for a demo that will run
     forkserver.warm()  # the arguments are accepted: the rank server imports torch beside this process
-    from course_lib.harness import SCHEMES, run_scheme, validate
-    from course_lib.runtime import launch
+    from course_lib.harness import run_scheme, validate
 
-    try:  # the model and training settings, then every scheme, checked before the first one runs
-        name, n = "the tiny GPT", args.world_size
-        train = train_config(args)
-        sizes = {name: spec.grid_size(spec.settings({})) or args.world_size for name, spec in SCHEMES.items()}
-        cfgs = {name: model_config(args, args.world_size, spec.model_settings) for name, spec in SCHEMES.items()}
-        for name, n in sizes.items():
+    for name, n in sizes.items():  # the ranks' memory too (the schemes' formulas need torch), before the first runs
+        try:
             validate(name, n, cfgs[name], train, {})
-            launch.check_world_size(n, args.max_ranks)
-    except ValueError as err:
-        raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
+        except ValueError as err:
+            raise SystemExit(f"demo: {name} on {n} ranks: {err}") from None
     reports = []
     started = time.perf_counter()
     for name, n in sizes.items():  # single: 1 rank; 3d: its default 2 x 2 x 2 grid
@@ -52,6 +41,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         say(args, f"plots and Chrome traces (open in ui.perfetto.dev) written to {os.path.abspath(args.plot)}/")
     say(args, f"demo took {time.perf_counter() - started:.1f} s")
     return 0 if all(r["verdict"]["matches"] for r in reports) else 1
+
+
+def _checked_schemes(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, GPTConfig], TrainConfig]:
+    """Every scheme's world size (a grid's default, else ``--world-size``) and model (the tiny GPT with at least
+    ``--world-size`` layers), and the training settings, each scheme's checked without torch
+    (:func:`course_lib.cli.training.checked_configs`) with the ranks this machine holds."""
+    sizes = {name: card.grid_size(card.settings({})) or args.world_size for name, card in catalog.CARDS.items()}
+    cfgs = {}
+    for name, n in sizes.items():
+        which = f"{name} on {n} ranks"
+        cfgs[name], train = checked_configs(args, "demo", catalog.CARDS[name], n, layers=args.world_size, which=which)
+        try:
+            host.check_world_size(n, args.max_ranks)
+        except ValueError as err:
+            raise SystemExit(f"demo: {which}: {err}") from None
+    return sizes, cfgs, train
 
 
 def size(nbytes: float) -> str:

@@ -19,18 +19,14 @@ from course_lib.cli.common import (
     say,
     write_json,
 )
-from course_lib.cli.training import (
-    add_training_flags,
-    check_sizes,
-    launch_limits,
-    model_config,
-    train_config,
-    training_groups,
-)
+from course_lib.cli.training import add_training_flags, checked_configs, launch_limits, training_groups
+from course_lib.cluster.settings import ClusterSettings, check_cluster
 from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import HALF_TYPES, MIXED_PRECISIONS, GPTConfig, TrainConfig
 from course_lib.parallel import catalog
-from course_lib.runtime.faults import KINDS, PHASES, Fault
+from course_lib.runtime import checkpoint_plan, host
+from course_lib.runtime.faults import KINDS, PHASES, Fault, check_fault
+from course_lib.runtime.forkserver import under_torchrun
 
 if TYPE_CHECKING:
     from course_lib.harness import SchemeRun
@@ -113,8 +109,6 @@ def _scheme_settings(args, spec) -> tuple[dict, int | None]:
 def _world_size(args, spec, settings: dict, axis_size: int | None) -> int:
     """The number of ranks: fixed by a grid's axes (or 1 without axes), else ``--world-size`` or the scheme's axis
     flag, else torchrun's world, else 4."""
-    from course_lib.runtime import launch
-
     grid = spec.grid_size(settings)
     if len(spec.axes) > 1:
         if args.world_size not in (None, grid):
@@ -128,7 +122,7 @@ def _world_size(args, spec, settings: dict, axis_size: int | None) -> int:
         )
     if args.world_size or axis_size:
         return args.world_size or axis_size
-    if launch.under_torchrun():  # as many ranks as torchrun started
+    if under_torchrun():  # as many ranks as torchrun started
         return int(os.environ["WORLD_SIZE"])
     return grid or 4
 
@@ -224,11 +218,9 @@ def _resume(args) -> str | None:
             f"run {args.scheme}: --auto-resume resumes from the newest checkpoint in --checkpoint-dir D; give D, "
             f"and no --resume"
         )
-    from course_lib.runtime import checkpoint
-
-    if checkpoint.complete(args.checkpoint_dir):
+    if checkpoint_plan.complete(args.checkpoint_dir):
         return args.checkpoint_dir
-    if left := checkpoint.skipped_saves(args.checkpoint_dir, -1):
+    if left := checkpoint_plan.skipped_saves(args.checkpoint_dir, -1):
         say(args, f"no complete checkpoint in {args.checkpoint_dir} to resume from: starting at step 0{_skipped(left)}")
     return None
 
@@ -251,25 +243,25 @@ def _loss_scale(text: str) -> str | float | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    options, axis_size = _scheme_settings(args, catalog.card(args.scheme))  # refused here without torch, as are
-    fault, resume = _fault(args), _resume(args)  # the fault's and the resume's flags (--auto-resume looks for one)
-    if options.get("model") is None:
-        check_sizes(args, f"run {args.scheme}")
-    if catalog.card(args.scheme).axes or fault is not None:  # ranks will start (single trains in this process)
+    card = catalog.card(args.scheme)  # everything up to the warm-up is checked without torch and refused in one line:
+    options, axis_size = _scheme_settings(args, card)  # the flags,
+    fault, resume = _fault(args), _resume(args)  # the fault's and the resume's (--auto-resume looks for one),
+    world_size = _checked_world_size(args, card, options, axis_size)  # the ranks this machine holds,
+    cfg, train = checked_configs(args, f"run {args.scheme}", card, world_size, options)  # the scheme's checks,
+    _check_checkpoints(args, card, world_size, cfg, train, options.get("model"), resume, fault)  # checkpoints, fault
+    _check_cluster(args, card, world_size)  # and the modeled cluster
+    if card.axes or fault is not None:  # ranks will start (single trains in this process)
         from course_lib.runtime import forkserver
 
         forkserver.warm()  # the rank server imports torch beside this process
     from course_lib.cli import echo
-    from course_lib.harness import ALIASES, SCHEMES
 
-    spec = SCHEMES[ALIASES.get(args.scheme, args.scheme)]
-    settings = spec.settings(options)
-    world_size = _checked_world_size(args, spec, settings, options, axis_size)
-    run, cfg, train = _train(args, spec, settings, world_size, options, fault, resume)
+    run = _train(args, world_size, cfg, train, options, fault, resume)
     report = run.report
     write_json(report, args.json)
     _say_what_ran(args, report, cfg, train, world_size, options.get("model"))
-    for line in [echo.settings_line(spec.name, settings), *echo.layout_lines(report), echo.bubble_line(report)]:
+    settings = card.settings(options)
+    for line in [echo.settings_line(card.name, settings), *echo.layout_lines(report), echo.bubble_line(report)]:
         if line:
             say(args, line)
     _say_checkpoints(args, report)
@@ -282,31 +274,75 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if report["verdict"]["matches"] else 1
 
 
-def _checked_world_size(args, spec, settings: dict, options: dict, axis_size: int | None) -> int:
+def _checked_world_size(args, card: catalog.Card, options: dict, axis_size: int | None) -> int:
     """The number of ranks (:func:`_world_size`), refused with how a grid's size factors if this machine cannot hold
-    that many."""
-    from course_lib.runtime import launch
-
-    world_size = _world_size(args, spec, settings, axis_size)
+    that many, or has not the GPUs ``--backend nccl`` or ``--device cuda`` asks for (torchrun's nodes have theirs)."""
+    settings = card.settings(options)
+    world_size = _world_size(args, card, settings, axis_size)
     try:
-        launch.check_world_size(world_size, args.max_ranks)
+        host.check_world_size(world_size, args.max_ranks)
     except ValueError as err:
-        raise SystemExit(f"run {args.scheme}: {_grid_reason(spec, settings, options)}{err}") from None
+        raise SystemExit(f"run {args.scheme}: {_grid_reason(card, settings, options)}{err}") from None
+    if not under_torchrun():
+        try:
+            host.compute_device(host.resolve_backend(args.backend, world_size), args.device)
+        except ValueError as err:
+            raise SystemExit(f"run {args.scheme}: {err}") from None
     return world_size
 
 
+def _check_checkpoints(
+    args,
+    card: catalog.Card,
+    world_size: int,
+    cfg: GPTConfig,
+    train: TrainConfig,
+    model,
+    resume: str | None,
+    fault: Fault | None,
+) -> None:
+    """Refuse checkpoint settings the run cannot keep, a checkpoint to resume from that is damaged or another run's
+    (:func:`course_lib.runtime.checkpoint_plan.plan_for`), and a fault the run cannot fire
+    (:func:`course_lib.runtime.faults.check_fault`), as the harness would, before anything starts."""
+    try:
+        plan = checkpoint_plan.plan_for(
+            card.name,
+            card.checkpoint,
+            world_size,
+            cfg,
+            train,
+            model,
+            args.checkpoint_dir,
+            args.checkpoint_every,
+            resume,
+            args.checkpoint_async,
+        )
+        if fault is not None:
+            check_fault(fault, world_size, train.steps, plan, args.checkpoint_async, in_process=False)
+    except ValueError as err:
+        raise SystemExit(f"run {args.scheme}: {err}") from None
+
+
+def _check_cluster(args, card: catalog.Card, world_size: int) -> None:
+    """Refuse a modeled cluster that cannot be (:func:`course_lib.cluster.settings.check_cluster`), before anything
+    starts."""
+    cluster = ClusterSettings(args.hardware, args.gpus_per_node, args.topology, args.algorithm, args.placement)
+    try:
+        check_cluster(cluster, world_size, card.axes)
+    except ValueError as err:
+        raise SystemExit(f"run {args.scheme}: {err}") from None
+
+
 def _train(
-    args, spec, settings: dict, world_size: int, options: dict, fault: Fault | None, resume: str | None
-) -> tuple[SchemeRun, GPTConfig, TrainConfig]:
-    """The model and training settings, and the scheme's run with them (:func:`course_lib.harness.run_scheme`); a
-    setting the scheme refuses ends the command with its message."""
+    args, world_size: int, cfg: GPTConfig, train: TrainConfig, options: dict, fault: Fault | None, resume: str | None
+) -> SchemeRun:
+    """The scheme's run (:func:`course_lib.harness.run_scheme`); a setting the harness refuses (the ranks' memory,
+    a student's model) ends the command with its message."""
     from course_lib.harness import run_scheme
     from course_lib.runtime import launch
 
     try:
-        layers_needed = spec.layers_needed(world_size, settings) if spec.layers_needed else 1
-        cfg, train = model_config(args, layers_needed, spec.model_settings), train_config(args)
-        run = run_scheme(
+        return run_scheme(
             args.scheme,
             world_size,
             cfg,
@@ -329,7 +365,6 @@ def _train(
         )
     except ValueError as err:
         raise SystemExit(f"run {args.scheme}: {err}") from None
-    return run, cfg, train
 
 
 def _say_what_ran(args, report: dict, cfg: GPTConfig, train: TrainConfig, world_size: int, model) -> None:

@@ -8,6 +8,10 @@ import argparse
 
 from course_lib.cli.common import natural, positive_float, positive_int, token_count
 from course_lib.model.config import RECOMPUTE_MODES, GPTConfig, TrainConfig
+from course_lib.model.formulas import check_reference_fits
+from course_lib.parallel import catalog
+from course_lib.parallel.catalog import Card
+from course_lib.runtime.host import available_memory
 
 MIXED_FLAGS = ("precision", "half", "loss_scale", "initial_scale")  # TrainConfig fields that ``run`` takes
 
@@ -141,18 +145,32 @@ def _add_model_flags(model: argparse._ArgumentGroup, modeled: dict) -> None:
     )
 
 
-def check_sizes(args: argparse.Namespace, command: str) -> None:
-    """The tiny GPT's sizes and seed, and its one-device reference against this machine's memory
-    (:func:`course_lib.model.formulas.check_reference_fits`), refused as ``command: why`` before torch is imported
-    (the harness checks the ranks' memory, which needs the scheme's code, after)."""
-    from course_lib.model.formulas import check_reference_fits
-    from course_lib.runtime.host import available_memory
-
+def checked_configs(
+    args: argparse.Namespace,
+    command: str,
+    card: Card,
+    world_size: int,
+    options: dict | None = None,
+    layers: int | None = None,
+    which: str = "",
+) -> tuple[GPTConfig, TrainConfig]:
+    """The model and training settings the command line gives ``card``'s scheme on ``world_size`` ranks with
+    ``options`` (the tiny GPT with ``layers`` at least, else as many as the scheme needs), refused as ``command:
+    why`` if this machine could not hold their one-device reference
+    (:func:`course_lib.model.formulas.check_reference_fits`), or ``command: which: why`` if the scheme cannot run
+    them (:func:`course_lib.parallel.catalog.refuse`: its sizes, checks and models). Before torch is imported and
+    anything starts; the harness checks the ranks' memory, which needs the scheme's code, after."""
+    options = options or {}
+    settings = card.settings(options)
     try:
-        cfg = model_config(args)
-    except ValueError:
-        return  # the scheme's own model settings (ep's experts) may make it valid: the harness says, with them
-    try:
-        check_reference_fits(cfg, train_config(args), available_memory())
+        needed = layers or (card.layers_needed(world_size, settings) if card.layers_needed else 1)
+        cfg, train = model_config(args, needed, card.model_settings), train_config(args)
+        if options.get("model") is None:  # a student's model is built, and its size checked, by the harness
+            check_reference_fits(cfg, train, available_memory())
     except ValueError as err:
         raise SystemExit(f"{command}: {err}") from None
+    try:
+        catalog.refuse(card, world_size, cfg, train, options)
+    except ValueError as err:
+        raise SystemExit(f"{command}: {which + ': ' if which else ''}{err}") from None
+    return cfg, train

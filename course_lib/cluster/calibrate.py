@@ -40,11 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.cluster.clock import replay
-from course_lib.cluster.profiles import PROFILES, HardwareProfile, get_profile
+from course_lib.cluster.profiles import HardwareProfile, check_name, get_profile
 from course_lib.ledgers.trace import Compute
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.parallel.data import train_data_parallel
 from course_lib.runtime import launch
+from course_lib.runtime.host import local_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # What a measurement tries, by device type: matmul sides, the copied buffer's bytes, attention's (b, h, s, d), and
@@ -145,22 +146,9 @@ def device_memory(device: torch.device) -> float:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` is the first CUDA GPU if there is one, else the CPU; asking for CUDA without one is an error."""
-    if device is None:
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        chosen = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}; use cpu or cuda (cuda:N for GPU N)") from None
-    if chosen.type not in ("cpu", "cuda"):
-        raise ValueError(f"calibrate measures a CPU or a CUDA GPU, not {chosen.type!r}")
-    if chosen.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = chosen.index or 0
-        if index >= count:
-            raise ValueError(f"no CUDA device {index}: this machine has {count}; measure the CPU with --device cpu")
-        chosen = torch.device("cuda", index)
-    return chosen
+    """``None`` is the first CUDA GPU if there is one, else the CPU; asking for CUDA without one is an error
+    (:func:`course_lib.runtime.host.local_device`)."""
+    return torch.device(local_device(None if device is None else str(device)))
 
 
 def measure(device: str | torch.device | None = None, quick: bool = False) -> Measured:
@@ -190,17 +178,6 @@ def default_name(measured: Measured) -> str:
     """``measured-`` and the device's name in lower case, runs of other characters as one dash."""
     model = measured.device_name.split(",")[0]
     return "measured-" + re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-
-
-def check_name(name: str) -> str:
-    """``name`` if a measured profile may have it: a file name of letters, digits, '.', '_' and '-' that is not a
-    published profile's (which :func:`course_lib.cluster.profiles.get_profile` would find first)."""
-    if name in PROFILES or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise ValueError(
-            f"cannot name a measured profile {name!r}: use letters, digits, '.', '_' and '-', and not a published "
-            f"profile's name ({', '.join(sorted(PROFILES))})"
-        )
-    return name
 
 
 def as_profile(measured: Measured, name: str | None = None, links: str = "h100") -> HardwareProfile:

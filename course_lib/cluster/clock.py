@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 
 from course_lib.cluster import collectives
 from course_lib.cluster.profiles import HardwareProfile, get_profile
-from course_lib.cluster.topology import FatTree, Topology, Torus, Where, from_spec, modeled
-from course_lib.ledgers.comm import CommRecord
-from course_lib.ledgers.trace import Compute, Event, Issue, Wait
+from course_lib.cluster.settings import resolve_topology
+from course_lib.cluster.topology import Topology, Where
+from course_lib.ledgers.records import CommRecord, Compute, Event, Issue, Wait
 
 
 def ring_latency_steps(op: str, n: int) -> int:
@@ -309,32 +309,6 @@ def _placement(topology: Topology, placed: list[int], records: list[list[CommRec
 def _step_of(key: tuple, records: list[list[CommRecord]], members: dict) -> int | None:
     rank, index = next(iter(members[key].items()))
     return records[rank][index].tags.get("step")
-
-
-def resolve_topology(
-    topology: Topology | str, world_size: int, algorithm: str | None = None, gpus: Sequence[int] | None = None
-) -> tuple[Topology, list[int]]:
-    """(the topology, each rank's GPU) for a replay of ``world_size`` ranks, or a one-line ValueError: a world
-    larger than the topology, a bad placement, an unknown algorithm. ``topology``: a Topology or a profile spec."""
-    topo = modeled(from_spec(topology) if isinstance(topology, str) else topology)
-    if world_size > topo.n_gpus:
-        raise ValueError(
-            f"{world_size} ranks do not fit {topo.name}, which has {topo.n_gpus} GPUs; use a bigger topology "
-            "(e.g. h100-superpod:4 for 4 nodes, tpu-v5p:4x4x4) or fewer ranks"
-        )
-    placed = list(range(world_size)) if gpus is None else list(gpus)
-    if len(placed) != world_size:
-        raise ValueError(f"gpus places {len(placed)} ranks, not the run's {world_size}; give one GPU per rank")
-    topo.check_group(placed)
-    known = sorted({a for algos in collectives.ALGORITHMS.values() for a in algos})
-    if algorithm is not None and algorithm not in known:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {known}")
-    needs = {"torus": Torus, "hierarchical": FatTree}.get(algorithm)
-    if needs is not None and not isinstance(topo, needs):
-        raise ValueError(
-            f"the {algorithm} algorithm runs on a {needs.__name__}, and {topo.name} is not one; choose another"
-        )
-    return topo, placed
 
 
 def choose_args(recs: list[CommRecord]) -> tuple[str, float]:

@@ -22,7 +22,7 @@ from course_lib.cluster import collectives
 from course_lib.cluster.clock import collective_time, link
 from course_lib.cluster.profiles import HardwareProfile
 from course_lib.cluster.topology import FatTree, Topology, Torus, Where
-from course_lib.ledgers.comm import ring_factor
+from course_lib.ledgers.records import ring_factor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -211,3 +212,14 @@ def get_profile(name: str) -> HardwareProfile:
         )
         raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES)}{mine}, or a profile's .json")
     return measured[name]
+
+
+def check_name(name: str) -> str:
+    """``name`` if a measured profile may have it: a file name of letters, digits, '.', '_' and '-' that is not a
+    published profile's (which :func:`get_profile` would find first)."""
+    if name in PROFILES or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(
+            f"cannot name a measured profile {name!r}: use letters, digits, '.', '_' and '-', and not a published "
+            f"profile's name ({', '.join(sorted(PROFILES))})"
+        )
+    return name

@@ -29,61 +29,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from course_lib.ledgers import trace
+from course_lib.ledgers.records import CommRecord, ring_factor
 
 ReduceOp = dist.ReduceOp
 Group = dist.ProcessGroup | None  # None: the whole world
 THROUGH_HOST = False  # True: every collective's tensors go through host copies, as CUDA tensors do under gloo
 
 
-def ring_factor(op: str, n: int) -> float:
-    """Bytes a rank sends per byte of S for ``op`` in a group of ``n`` ranks (see the module table)."""
-    factors = {
-        "all_reduce": 2 * (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "all_to_all": (n - 1) / n,
-        "broadcast": 1.0 if n > 1 else 0.0,
-        "send": 1.0,
-        "recv": 0.0,
-        "barrier": 0.0,
-    }
-    if op not in factors:
-        raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
-    return factors[op]
-
-
-@dataclass
-class CommRecord:
-    """One collective or point-to-point call on one rank."""
-
-    op: str
-    group: str
-    group_size: int
-    ranks: tuple[int, ...]  # the group's members, as global ranks
-    tensor_bytes: int
-    sent_bytes: float
-    start: float
-    end: float
-    async_op: bool = False
-    peer: int | None = None
-    tags: dict = field(default_factory=dict)
-    through_host: bool = False  # its tensors were copied to host memory and back (see the module's docstring)
-    number: int = 0  # its number among this rank's calls on the group (of this name), from 1
-    # Its number among this rank's collectives on the group, point-to-point calls not counted (0 for send and recv):
-    # every member of a group calls the group's collectives in one order, so one turn on two members is one
-    # collective, where their numbers may differ (a pipeline's middle stage sends and receives twice as often).
-    turn: int = 0
-    given: str = ""  # what this rank gave it that every member must give alike (:func:`given`)
-
-
-# Ops whose tensors every rank of the group must give alike: the same dtype and shape (all_to_all: the same dtype
-# and row shape; its rows may be split unevenly). send and recv pair with a peer, not with the group.
 _ALIKE_ON_EVERY_RANK = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
 
 

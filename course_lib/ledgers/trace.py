@@ -18,7 +18,6 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,50 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-KINDS = ("forward", "backward", "weight_grad", "recompute", "optimizer", "compute", "comm", "idle")
-
-
-@dataclass
-class Event:
-    """One interval on one rank's timeline (seconds since the run's epoch)."""
-
-    rank: int
-    kind: str
-    name: str
-    start: float
-    end: float
-    tags: dict = field(default_factory=dict)
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class Compute:
-    """Work between two communication points: ``flops`` of matrix products (torch's FLOP formulas) and
-    ``elementwise`` operations counted as one FLOP per output element (a floor for the rest)."""
-
-    kind: str
-    start: float
-    end: float
-    flops: int = 0
-    elementwise: int = 0
-    tags: dict = field(default_factory=dict)
-
-
-@dataclass
-class Issue:
-    """The rank issued its comm record number ``record``."""
-
-    record: int
-
-
-@dataclass
-class Wait:
-    """The rank blocked until its comm record number ``record`` was done."""
-
-    record: int
+from course_lib.ledgers.records import KINDS, Compute, Event, Issue, Wait
 
 
 class _Timeline:

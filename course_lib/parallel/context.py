@@ -51,9 +51,9 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
 from course_lib.model.gpt import TinyGPT, count_params, final_params, make_optimizer
-from course_lib.parallel.catalog import KV
-from course_lib.parallel.data import GRAD_ACCUM, DataParallel, Replicated, accumulate, train_loop
-from course_lib.parallel.interface import Scheme
+from course_lib.parallel import catalog
+from course_lib.parallel.checks import check_context_parallel
+from course_lib.parallel.data import DataParallel, Replicated, accumulate, train_loop
 from course_lib.parallel.tensor import TensorParallelGPT
 from course_lib.parallel.tensor_mappings import all_gather_along, ring_peer
 from course_lib.runtime import launch
@@ -307,27 +307,6 @@ def train_context_parallel(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-def check_context_parallel(cfg: GPTConfig, cp: int, kv: str) -> None:
-    """Refuse a group that cannot split the sequence into 2 x cp equal chunks, and an unknown ``kv``."""
-    if kv not in ATTENTION:
-        raise ValueError(f"kv must be one of {sorted(ATTENTION)}, not {kv!r}")
-    if cp < 1 or cfg.seq % (2 * cp):
-        raise ValueError(
-            f"context parallelism over {cp} ranks cuts each sequence into 2 x {cp} = {2 * cp} equal chunks (rank r "
-            f"holds chunks r and {2 * cp - 1}-r), but the sequence length {cfg.seq} is not a multiple of {2 * cp}; "
-            f"use a sequence length that is a multiple of {2 * cp} or fewer ranks"
-        )
-
-
-def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    check_context_parallel(cfg, world_size, o["kv"])
-    if o["grad_accum"] < 1 or train.batch % o["grad_accum"]:
-        raise ValueError(
-            f"the batch of {train.batch} sequences does not split into grad_accum={o['grad_accum']} equal "
-            f"micro-batches (every rank sees every sequence); use a grad_accum that divides {train.batch}"
-        )
-
-
 def kv_block_bytes(cfg: GPTConfig, micro_batch: int, world_size: int, element_size: int, tp: int = 1) -> int:
     """One rank's stacked K and V of one layer for one micro-batch: 2 x (b, s/N, h) elements (h/t of them: the
     rank's heads, inside a tensor-parallel group of ``tp``)."""
@@ -422,15 +401,11 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 
 SCHEMES = (
-    Scheme(
+    catalog.scheme(
         "cp",
         "context parallel: split every sequence, ring attention (or all-gather) for K and V",
         train_context_parallel,
-        validate,
         predict_memory,
         predict_comm,
-        (KV, GRAD_ACCUM),
-        axes=("cp",),
-        checkpoint=True,
     ),
 )

@@ -30,7 +30,7 @@ from course_lib.ledgers import comm, trace
 from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.ledgers.memory import MemoryMeter
 from course_lib.model import precision
-from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import tiny_gpt_activation_bytes
 from course_lib.model.gpt import (
     ModelFactory,
@@ -40,8 +40,7 @@ from course_lib.model.gpt import (
     make_optimizer,
     synthetic_tokens,
 )
-from course_lib.parallel.catalog import BUCKET_MB, GRAD_ACCUM, MODEL, ONE_BUCKET, OVERLAP, PER_PARAMETER
-from course_lib.parallel.interface import Scheme
+from course_lib.parallel import catalog
 from course_lib.runtime import checkpoint, faults, launch
 
 
@@ -427,31 +426,6 @@ def train_data_parallel(
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-def check_batch_split(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    """Every rank needs an equal share of the batch, in ``grad_accum`` equal micro-batches, and buckets a size."""
-    bucket_mb, accum = o.get("bucket_mb"), o["grad_accum"]
-    if bucket_mb is not None and not bucket_mb > 0:
-        raise ValueError(f"bucket size must be positive, got {bucket_mb} MB; try 0.1 (or 25, PyTorch DDP's default)")
-    if accum < 1:
-        raise ValueError(f"grad_accum must be at least 1, got {accum}")
-    if world_size > train.batch:
-        raise ValueError(
-            f"world size {world_size} is larger than the global batch of {train.batch} sequences: some ranks would "
-            f"get no data. Use a batch of at least {world_size} or fewer ranks."
-        )
-    if train.batch % (world_size * accum):
-        raise ValueError(
-            f"the global batch of {train.batch} sequences does not split evenly over {world_size} data-parallel "
-            f"ranks x {accum} micro-batches; use a batch that is a multiple of {world_size * accum}"
-        )
-
-
-def check_single(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    if world_size != 1:
-        raise ValueError(f"scheme 'single' runs on one rank; pass world size 1, not {world_size}")
-    check_batch_split(world_size, cfg, train, o)
-
-
 def activation_bytes(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> int:
     """Saved activations of one micro-batch of this rank's share of the batch
     (:func:`course_lib.model.formulas.tiny_gpt_activation_bytes`)."""
@@ -494,28 +468,14 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 
 SCHEMES = (
-    Scheme(
-        "single",
-        "one rank, the whole batch: the baseline",
-        train_data_parallel,
-        check_single,
-        predict_memory,
-        predict_comm,
-        (MODEL,),
-        axes=(),
-        moe=True,
-        checkpoint=True,
-        precisions=MIXED_PRECISIONS,
+    catalog.scheme(
+        "single", "one rank, the whole batch: the baseline", train_data_parallel, predict_memory, predict_comm
     ),
-    Scheme(
+    catalog.scheme(
         "dp",
         "replicate the model, split the batch, all-reduce gradients",
         train_data_parallel,
-        check_batch_split,
         predict_memory,
         predict_comm,
-        (BUCKET_MB, ONE_BUCKET, PER_PARAMETER, OVERLAP, GRAD_ACCUM, MODEL),
-        checkpoint=True,
-        precisions=MIXED_PRECISIONS,
     ),
 )

@@ -44,8 +44,8 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
 from course_lib.model.gpt import MoE, Routing, TinyGPT, count_params, final_params, make_optimizer, within_capacity
-from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, check_batch_split, train_loop
-from course_lib.parallel.interface import Scheme
+from course_lib.parallel import catalog
+from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
 from course_lib.runtime import launch
 
 
@@ -217,32 +217,6 @@ def train_expert_parallel(cfg: GPTConfig, train: TrainConfig, measure_memory: bo
 
 
 # ------------------------------------------------------------------------------------------------ checks, formulas
-def check_recompute(cfg: GPTConfig) -> None:
-    """Refuse full recomputation of an MoE trained over ranks: backward would route the tokens again (a second
-    gather of the counts and dispatch all-to-all per layer), bytes the course's routed prediction does not count."""
-    if cfg.recompute == "full":
-        raise ValueError(
-            "full recompute of an MoE layer over several ranks routes its tokens again in backward (a second counts "
-            "all-gather and all-to-all), which the course does not predict; use recompute 'selective' or 'none'"
-        )
-
-
-def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    """An MoE model whose experts and batch split evenly over the ranks, not fully recomputed."""
-    if cfg.experts == 0:
-        raise ValueError(
-            "scheme 'ep' shards the experts of an MoE model, and this model is dense (experts=0); use "
-            f"GPTConfig(experts=E) with E a multiple of the world size {world_size}"
-        )
-    if cfg.experts % world_size:
-        raise ValueError(
-            f"{cfg.experts} experts do not split evenly over {world_size} expert-parallel ranks; use a number of "
-            f"experts that is a multiple of {world_size}, or a world size that divides {cfg.experts}"
-        )
-    check_recompute(cfg)
-    check_batch_split(world_size, cfg, train, {**o, "grad_accum": 1})
-
-
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """Every rank holds the dense parameters and E/n of each layer's experts, with their gradients and AdamW
     states. No activations: what the experts save depends on how many tokens the router sends each rank."""
@@ -296,17 +270,12 @@ def routed_comm(results: list[dict], cfg: GPTConfig, train: TrainConfig, o: dict
 
 
 SCHEMES = (
-    Scheme(
+    catalog.scheme(
         "ep",
         "MoE experts split over the ranks, tokens sent to them by all-to-all",
         train_expert_parallel,
-        validate,
         predict_memory,
         predict_comm,
-        axes=("ep",),
-        moe=True,
-        model_settings={"experts": 8, "top_k": 2},
         routed_comm=routed_comm,
-        checkpoint=True,
     ),
 )

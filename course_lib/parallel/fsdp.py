@@ -38,22 +38,17 @@ from course_lib.ledgers.memory import resize_storage
 from course_lib.model import precision
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import ModelFactory, TinyGPT, build_model, count_params, optimizer_settings
-from course_lib.parallel.catalog import RESHARD
+from course_lib.parallel import catalog
 from course_lib.parallel.data import (
-    GRAD_ACCUM,
-    MODEL,
-    OVERLAP,
     DataParallelStrategy,
     EndOfBackward,
     ReadyGroups,
     broadcast_from_first,
-    check_batch_split,
     no_gradient_error,
     on_every_rank,
     split_like,
     train_loop,
 )
-from course_lib.parallel.interface import Scheme
 from course_lib.parallel.zero import FlatShard
 from course_lib.runtime import launch
 from course_lib.runtime.checkpoint_state import Held, whole
@@ -525,15 +520,11 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 
 SCHEMES = (
-    Scheme(
+    catalog.scheme(
         "zero3",
         "ZeRO-3 / FSDP: shard parameters too, gather each block when it runs",
         train_fsdp,
-        check_batch_split,
         predict_memory,
         predict_comm,
-        (OVERLAP, GRAD_ACCUM, RESHARD, MODEL),
-        checkpoint=True,
-        precisions=("mixed", "no-master"),  # Megatron's fp32 main gradients come with its DDP and ZeRO-1 alone
     ),
 )

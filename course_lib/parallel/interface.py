@@ -26,8 +26,9 @@ Prediction = Callable[[int, "GPTConfig", "TrainConfig", dict], list[dict]]
 
 @dataclass(frozen=True)
 class Option:
-    """A setting a user may change: keyword ``name`` of the rank function. On the command line it is ``flag``
-    (default ``--name``, dashes for underscores) taking a value of ``kind`` (int and float must be positive;
+    """A setting a user may change: keyword ``name`` of the rank function, ``default`` when not given (the rank
+    function's own default: :func:`course_lib.parallel.catalog.check` compares them). On the command line it is
+    ``flag`` (default ``--name``, dashes for underscores) taking a value of ``kind`` (int and float must be positive;
     ``choices`` limits them instead), or, with ``kind`` None, a switch that sets ``value``."""
 
     name: str
@@ -36,6 +37,7 @@ class Option:
     flag: str = ""
     value: object = True
     choices: tuple = ()
+    default: object = None
 
     @property
     def cli_flag(self) -> str:
@@ -98,8 +100,13 @@ class Scheme:
         return defaults | options
 
     def grid_size(self, o: dict) -> int | None:
-        """The world size the settings fix: 1 without axes, the product of the axes for a grid, else None (the
-        caller chooses)."""
-        if not self.axes:
-            return 1
-        return math.prod(o[axis] for axis in self.axes) if len(self.axes) > 1 else None
+        """The world size the settings fix (:func:`grid_size`)."""
+        return grid_size(self.axes, o)
+
+
+def grid_size(axes: tuple[str, ...], o: dict) -> int | None:
+    """The world size settings ``o`` fix for a scheme on mesh ``axes``: 1 without axes, the product of the axes for
+    a grid, else None (the caller chooses)."""
+    if not axes:
+        return 1
+    return math.prod(o[axis] for axis in axes) if len(axes) > 1 else None

@@ -26,35 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.ledgers import comm
-
-AXES = ("dp", "pp", "cp", "tp")  # outermost first
-
-
-def check_sizes(world_size: int, **sizes: int) -> dict[str, int]:
-    """The sizes of every axis (1 when not given); their product must be the world size."""
-    unknown = set(sizes) - set(AXES)
-    if unknown:
-        raise ValueError(f"unknown axis {sorted(unknown)}; the mesh has {list(AXES)}")
-    full = {axis: sizes.get(axis, 1) for axis in AXES}
-    if any(v < 1 for v in full.values()):
-        raise ValueError(f"every axis needs a size of at least 1, got {full}")
-    product = math.prod(full.values())
-    if product != world_size:
-        shown = [axis for axis in AXES if axis == "dp" or full[axis] > 1]
-        model = [axis for axis in reversed(shown) if axis != "dp"]  # the model-parallel axes, innermost first
-        model_parallel = math.prod(full[axis] for axis in model)
-        names = " x ".join(axis.upper() for axis in model)
-        hint = (
-            f"with {' x '.join(f'{axis.upper()} {full[axis]}' for axis in model)}, DP = {world_size // model_parallel}"
-            if world_size % model_parallel == 0
-            else f"{names} = {model_parallel} must divide {world_size}"
-        )
-        every = " x ".join(axis.upper() for axis in reversed(AXES))
-        raise ValueError(
-            f"{' x '.join(f'{axis.upper()} {full[axis]}' for axis in shown)} = {product} ranks, but the world has "
-            f"{world_size}: {every} must equal the number of devices ({hint})."
-        )
-    return full
+from course_lib.parallel.checks import AXES, check_sizes
 
 
 def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:

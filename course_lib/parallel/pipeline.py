@@ -27,9 +27,9 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.gpt import MoE, TinyGPT, make_optimizer
-from course_lib.parallel.catalog import CHUNKS, MICROBATCHES, SCHEDULE, STAGE_LAYERS
+from course_lib.parallel import catalog
+from course_lib.parallel.checks import split_layers
 from course_lib.parallel.data import DataParallelStrategy, micro_batches, train_loop
-from course_lib.parallel.interface import Scheme
 from course_lib.parallel.schedule_sim import simulate
 from course_lib.parallel.schedules import (
     Action,
@@ -40,32 +40,9 @@ from course_lib.parallel.schedules import (
     generate,
     virtual_stage,
 )
-from course_lib.parallel.schedules import validate as validate_schedule
 from course_lib.parallel.tensor import placement
 from course_lib.runtime import launch
 from course_lib.runtime.checkpoint_state import Held
-
-
-def split_layers(layers: int, stages: int, counts: tuple[int, ...] = ()) -> list[range]:
-    """Contiguous layer ranges for each stage: ``counts`` layers each when given (uneven stages, as Megatron-LM's
-    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` make them), else as equal as
-    possible (earlier stages get the extra layers)."""
-    if counts and (len(counts) != stages or sum(counts) != layers or min(counts) < 1):
-        raise ValueError(
-            f"stage layers {','.join(map(str, counts))} must give each of the {stages} pipeline stages at least one "
-            f"layer and all {layers} layers in all"
-        )
-    if stages > layers:
-        raise ValueError(
-            f"{stages} pipeline stages (ranks x chunks) for {layers} layers: every stage needs at least one layer. "
-            f"Use at most {layers} stages or a deeper model."
-        )
-    base, extra = divmod(layers, stages)
-    sizes = counts or [base + (s < extra) for s in range(stages)]
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
 class PipelineStage(nn.Module):
@@ -332,22 +309,6 @@ def train_pipeline(
 # ------------------------------------------------------------------------------------------------ checks, formulas
 
 
-def check_pipeline(cfg: GPTConfig, batch: int, stages: int, o: dict) -> None:
-    """The schedule exists for these sizes, every virtual stage gets a layer (uneven stages one chunk a rank), the
-    batch splits into microbatches."""
-    validate_schedule(o["schedule"], stages, o["microbatches"], o["chunks"])
-    v = chunks_per_rank(o["schedule"], o["chunks"])
-    if o["stage_layers"] and v > 1:
-        raise ValueError(f"--stage-layers gives each rank one stage; {o['schedule']} runs {v} chunks a rank")
-    split_layers(cfg.layers, stages * v, o["stage_layers"])
-    if batch % o["microbatches"]:
-        raise ValueError(f"the batch of {batch} sequences does not split into {o['microbatches']} equal microbatches")
-
-
-def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    check_pipeline(cfg, train.batch, world_size, o)
-
-
 @functools.lru_cache(maxsize=8)
 def stage_layout(
     cfg: GPTConfig, train: TrainConfig, p: int, chunks: int, schedule: str = "1f1b", stage_layers: tuple[int, ...] = ()
@@ -442,19 +403,12 @@ def describe(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> di
 
 
 SCHEMES = (
-    Scheme(
+    catalog.scheme(
         "pp",
         "pipeline parallel: split the layers into stages, stream microbatches through them",
         train_pipeline,
-        validate,
         predict_memory,
         predict_comm,
-        (SCHEDULE, MICROBATCHES, CHUNKS, STAGE_LAYERS),
-        axes=("pp",),
         describe=describe,
-        layers_needed=lambda world_size, o: (
-            sum(o["stage_layers"]) or world_size * chunks_per_rank(o["schedule"], o["chunks"])
-        ),
-        checkpoint=True,
     ),
 )

@@ -46,15 +46,15 @@ from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes, tiny_gpt_activation_bytes
 from course_lib.model.gpt import TinyGPT, count_params, make_optimizer
-from course_lib.parallel.catalog import ASYNC_TP
+from course_lib.parallel import catalog
+from course_lib.parallel.checks import check_tensor_parallel
 from course_lib.parallel.data import DataParallelStrategy, all_reduce_grads, train_loop
-from course_lib.parallel.interface import Option, Scheme
+from course_lib.parallel.interface import Scheme
 from course_lib.parallel.tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     check_async_tp,
     column_parallel_linear,
-    require_divides,
 )
 from course_lib.parallel.tensor_mappings import (
     ReduceFromTensorParallel,
@@ -281,17 +281,6 @@ def sequence_parallel_grad_bytes(
     return element_size * (6 * cfg.d_model * layers + 2 * cfg.d_model * last + positions)
 
 
-def check_tensor_parallel(cfg: GPTConfig, tp: int, sp: bool) -> None:
-    """Refuse a degree that does not divide the heads, the MLP width, the vocabulary or (with SP) the sequence."""
-    if tp < 1:
-        raise ValueError(f"tensor-parallel degree must be at least 1, not {tp}")
-    sizes = {"heads": cfg.heads, "MLP width (ffn_mult x d_model)": cfg.ffn_mult * cfg.d_model, "vocab": cfg.vocab}
-    if sp:
-        sizes["sequence length (sequence parallel)"] = cfg.seq
-    for what, size in sizes.items():
-        require_divides(tp, what, size)
-
-
 class TensorParallelStrategy(DataParallelStrategy):
     """What TP adds to plain training: under SP, sum the sequence-parallel parameters' gradients."""
 
@@ -347,10 +336,6 @@ def placement(name: str, shard: tuple[int, ...], r: int, t: int) -> tuple[tuple[
     return shape, (Box(zeros, at, shard),)
 
 
-def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    check_tensor_parallel(cfg, world_size, o["sp"])
-
-
 def predict_memory(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> list[dict]:
     """A rank holds 1/t of every split matrix (and of the vocabulary), LayerNorms and row-parallel biases whole,
     with AdamW's states for them, and the activations of the whole batch as
@@ -377,14 +362,11 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
     return [dict(row) for _ in range(world_size)]
 
 
-
-
-def _scheme(name: str, summary: str, sp: bool, options: tuple[Option, ...] = ()) -> Scheme:
-    train = functools.partial(train_tensor_parallel, sp=sp)
-    return Scheme(name, summary, train, validate, predict_memory, predict_comm, options, axes=("tp",), checkpoint=True)
+def _scheme(name: str, summary: str, sp: bool) -> Scheme:
+    return catalog.scheme(name, summary, functools.partial(train_tensor_parallel, sp=sp), predict_memory, predict_comm)
 
 
 SCHEMES = (
     _scheme("tp", "Megatron tensor parallel: split every layer's matmuls", sp=False),
-    _scheme("sp", "tensor + sequence parallel: shard the rest along the sequence", sp=True, options=(ASYNC_TP,)),
+    _scheme("sp", "tensor + sequence parallel: shard the rest along the sequence", sp=True),
 )

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.ledgers.comm import Group
+from course_lib.parallel.checks import require_divides
 from course_lib.parallel.tensor_mappings import (
     GatherFromTensorParallel,
     ReduceFromTensorParallel,
@@ -413,12 +414,3 @@ def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         owner, _, leaf = name.rpartition(".")
         full[name] = (getattr(whole[owner], leaf) if owner in whole else p).detach().cpu().clone()
     return full
-
-
-def require_divides(tp: int, what: str, size: int) -> None:
-    """Refuse a tensor-parallel degree that does not divide ``size`` (the ``what`` it splits)."""
-    if size % tp:
-        raise ValueError(
-            f"tensor-parallel degree {tp} does not divide the {what} = {size}: each rank must get an equal share. "
-            f"Use a degree that divides {size}."
-        )

@@ -63,11 +63,10 @@ from course_lib.ledgers.comm import ring_factor
 from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.formulas import adamw_state_bytes
 from course_lib.model.gpt import MoE, make_optimizer, optimizer_settings
-from course_lib.parallel.catalog import CP, DP, EP, PP, SP, TP, ZERO
+from course_lib.parallel import catalog
+from course_lib.parallel.checks import grid_sizes, tokens_per_rank
 from course_lib.parallel.context import (
-    KV,
     TensorContextParallelGPT,
-    check_context_parallel,
     kv_traffic,
     sequence_shard,
 )
@@ -75,44 +74,35 @@ from course_lib.parallel.data import all_reduce_grads, train_loop
 from course_lib.parallel.expert import (
     RoutingLog,
     all_to_all_bytes,
-    check_recompute,
     expert_params,
     finish_expert_gradients,
     local_experts,
     shard_experts,
     split_experts,
 )
-from course_lib.parallel.interface import Scheme
 from course_lib.parallel.mesh import (
     AXES,
     Mesh,
     axis_groups,
     build_mesh,
-    check_sizes,
     coords_of,
     fold_experts,
     joint_axes,
     joint_group,
 )
 from course_lib.parallel.pipeline import (
-    CHUNKS,
-    MICROBATCHES,
-    SCHEDULE,
-    STAGE_LAYERS,
     PipelineStage,
     PipelineSync,
     activation_peaks,
     build_stages,
-    check_pipeline,
     pipeline_report,
     reference_params,
     schedule_runner,
     stage_layout,
 )
-from course_lib.parallel.schedules import SPLIT_BACKWARD, chunks_per_rank, embedding_ranks, generate
+from course_lib.parallel.schedules import embedding_ranks, generate
 from course_lib.parallel.tensor import (
     TensorParallelGPT,
-    check_tensor_parallel,
     collectives_per_step,
     sequence_parallel_grad_bytes,
     sequence_parallel_params,
@@ -231,7 +221,7 @@ def train_3d(
         table,
         stages,
         microbatches,
-        (train.batch // dp // microbatches, _tokens_per_rank(cfg, tp, cp, sp), cfg.d_model),
+        (train.batch // dp // microbatches, tokens_per_rank(cfg, tp, cp, sp), cfg.d_model),
         train.torch_dtype,
         peers=mesh.members["pp"],
         group=mesh.groups["pp"],
@@ -265,98 +255,7 @@ def counts_axis(microbatches: int) -> str:
     return "dp" if microbatches == 1 else "ep"
 
 
-def _tokens_per_rank(cfg: GPTConfig, tp: int, cp: int, sp: bool) -> int:
-    """Tokens of each sequence a rank's activations cover between layers: s/C, and /T under SP."""
-    return cfg.seq // cp // (tp if sp else 1)
-
-
 # ------------------------------------------------------------------------------------------------ checks, formulas
-
-
-def grid_sizes(world_size: int, o: dict) -> dict[str, int]:
-    """The grid's axis sizes from the settings (:func:`course_lib.parallel.mesh.check_sizes`: their product must be the
-    world size)."""
-    return check_sizes(world_size, tp=o["tp"], cp=o["cp"], pp=o["pp"], dp=o["dp"])
-
-
-def validate(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> None:
-    grid_sizes(world_size, o)
-    check_experts(cfg, o)
-    check_context_parallel(cfg, o["cp"], o["kv"])
-    check_tensor_parallel(cfg, o["tp"], False)
-    if o["sp"] and _tokens_per_rank(cfg, 1, o["cp"], False) % o["tp"]:
-        raise ValueError(
-            f"sequence parallelism splits each rank's {cfg.seq // o['cp']} tokens of a sequence (its share of "
-            f"{cfg.seq} over CP {o['cp']}) over TP {o['tp']}, which does not divide them; use a sequence length "
-            f"that is a multiple of {o['cp'] * o['tp']} (and of {2 * o['cp']}), or drop sp"
-        )
-    if o["zero"] not in (0, 1):
-        raise ValueError(f"a 3D run shards optimizer state with ZeRO-1 at most (zero 0 or 1), not {o['zero']}")
-    if train.batch % o["dp"]:
-        raise ValueError(f"the batch of {train.batch} sequences does not split over {o['dp']} data-parallel replicas")
-    if o["schedule"] in SPLIT_BACKWARD and (o["tp"] > 1 or o["cp"] > 1):
-        raise ValueError(
-            f"{o['schedule']} with tensor or context parallelism: the course's W pass is a second backward over the "
-            "retained graph, which would repeat every TP collective and ring step of the stage; use gpipe, 1f1b or "
-            "interleaved, or tp 1 and cp 1"
-        )
-    check_pipeline(cfg, train.batch // o["dp"], o["pp"], o)
-
-
-def check_experts(cfg: GPTConfig, o: dict) -> None:
-    """An expert-parallel grid the course builds and that trains like one device (see the module docstring)."""
-    ep, m = o["ep"], o["microbatches"]
-    if not cfg.experts:
-        if ep != 1:
-            raise ValueError(
-                f"ep {ep} splits the experts of an MoE model, and this model is dense (experts=0); give it experts "
-                f"(GPTConfig(experts=E), --experts E, with E a multiple of {ep}) or use ep 1"
-            )
-        return
-    if o["tp"] > 1 or o["cp"] > 1:
-        raise ValueError(
-            f"an MoE model in the grid runs with tp 1 and cp 1, not tp {o['tp']} and cp {o['cp']}: the course splits "
-            "no expert over tensor-parallel ranks (Megatron's expert tensor parallelism), and a context-parallel "
-            "rank's tokens are chunks of every sequence, not the block of the batch in token order that capacity "
-            "and the all-to-all's rows assume; use tp 1 and cp 1, with the experts split over ep of the dp ranks"
-        )
-    check_recompute(cfg)
-    if ep < 1 or o["dp"] % ep:
-        raise ValueError(
-            f"ep {ep} is carved out of the data-parallel ranks (Megatron's MoE parallel folding): it must divide "
-            f"dp {o['dp']}; use an ep that divides {o['dp']}"
-        )
-    if cfg.experts % ep:
-        raise ValueError(
-            f"{cfg.experts} experts do not split evenly over {ep} expert-parallel ranks; use a number of experts "
-            f"that is a multiple of {ep}, or an ep that divides {cfg.experts}"
-        )
-    if o["zero"]:
-        raise ValueError(
-            "ZeRO-1 with experts: the experts' optimizer states would shard over the expert-data-parallel group, "
-            "which the course does not build; use zero 0"
-        )
-    if o["schedule"] in SPLIT_BACKWARD:
-        raise ValueError(
-            f"{o['schedule']} with experts: the course's W pass is a second backward over the retained graph, which "
-            "would repeat the MoE layers' all-to-alls; use gpipe, 1f1b or interleaved"
-        )
-    if m > 1 and (cfg.capacity_factor is not None or cfg.aux_loss_coef):
-        raise ValueError(
-            f"with {m} microbatches each microbatch routes on its own (as in Megatron: routing and balance loss per "
-            f"micro-batch), but the one-device reference caps each expert and takes the balance loss's f_i over the "
-            f"whole batch, which exists only once every microbatch has run, and f_i x P_i does not add up over "
-            f"microbatches (capacity_factor={cfg.capacity_factor}, aux_loss_coef={cfg.aux_loss_coef}); use a "
-            "dropless model without balance loss (capacity_factor None and aux_loss_coef 0: --aux-loss-coef 0, "
-            "no --capacity-factor), or microbatches 1"
-        )
-    stages = o["pp"] * chunks_per_rank(o["schedule"], o["chunks"])
-    if cfg.aux_loss_coef and stages > 1:
-        raise ValueError(
-            f"a balance loss (aux_loss_coef={cfg.aux_loss_coef}) in a pipeline of {stages} stages: "
-            "each stage's MoE layers would add a second loss to a backward that carries only the last stage's; "
-            "use aux_loss_coef 0 (--aux-loss-coef 0), or pp 1 and chunks 1"
-        )
 
 
 def _held_params(stages: dict[int, PipelineStage], ep: int, j: int) -> list[tuple[str, nn.Parameter]]:
@@ -459,7 +358,7 @@ def predict_axis_traffic(cfg: GPTConfig, train: TrainConfig, o: dict, rank: int)
         out["cp"] = sum(kv_traffic(cfg, micro, o["cp"], e, o["kv"], len(layers) * m, t).values())
     table = generate(o["schedule"], p, m, o["chunks"])[c["pp"]]
     if p > 1:
-        tokens = _tokens_per_rank(cfg, t, o["cp"], o["sp"])
+        tokens = tokens_per_rank(cfg, t, o["cp"], o["sp"])
         out["pp"] = float(sum(a.kind.startswith("SEND") for a in table) * e * micro * tokens * cfg.d_model)
     if tied and (first or last):
         out["embedding"] = ring_factor("all_reduce", 2) * e * cfg.vocab * cfg.d_model // t
@@ -508,24 +407,14 @@ def describe(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -> di
 
 
 SCHEMES = (
-    Scheme(
+    catalog.scheme(
         "3d",
         "tensor (and context) parallel inside stages, pipeline across them, data parallel (or ZeRO-1) on top, an "
         "MoE's experts split over ep of the data-parallel ranks",
         train_3d,
-        validate,
         predict_memory,
         predict_comm,
-        (TP, CP, PP, DP, KV, ZERO, SP, SCHEDULE, MICROBATCHES, CHUNKS, EP, STAGE_LAYERS),
-        axes=("tp", "cp", "pp", "dp"),
         describe=describe,
-        layers_needed=lambda world_size, o: (
-            sum(o["stage_layers"]) or o["pp"] * chunks_per_rank(o["schedule"], o["chunks"])
-        ),
-        moe=True,
-        # An MoE in a pipeline of microbatches trains without the balance loss (see check_experts).
-        model_settings={"aux_loss_coef": 0.0},
         routed_comm=routed_comm,
-        checkpoint=True,
     ),
 )

@@ -29,19 +29,14 @@ from torch import nn
 from course_lib.ledgers import comm, trace
 from course_lib.ledgers.comm import Group, ring_factor
 from course_lib.model import precision
-from course_lib.model.config import MIXED_PRECISIONS, GPTConfig, TrainConfig
+from course_lib.model.config import GPTConfig, TrainConfig
 from course_lib.model.gpt import ModelFactory, build_model, count_params, final_params, optimizer_settings
 from course_lib.model.precision import copy_hyperparameters, drop_grad, grad_of, set_grad
+from course_lib.parallel import catalog
 from course_lib.parallel.data import (
-    BUCKET_MB,
-    GRAD_ACCUM,
-    MODEL,
-    ONE_BUCKET,
-    OVERLAP,
     DataParallelStrategy,
     ReadyGroups,
     broadcast_from_first,
-    check_batch_split,
     no_gradient_error,
     on_every_rank,
     split_into_buckets,
@@ -382,18 +377,8 @@ def predict_comm(world_size: int, cfg: GPTConfig, train: TrainConfig, o: dict) -
 
 
 def _scheme(stage: int, summary: str) -> Scheme:
-    train = functools.partial(train_zero, stage=stage)
-    options = (BUCKET_MB, ONE_BUCKET, OVERLAP, GRAD_ACCUM, MODEL)
-    return Scheme(
-        f"zero{stage}",
-        summary,
-        train,
-        check_batch_split,
-        predict_memory,
-        predict_comm,
-        options,
-        checkpoint=True,
-        precisions=MIXED_PRECISIONS,
+    return catalog.scheme(
+        f"zero{stage}", summary, functools.partial(train_zero, stage=stage), predict_memory, predict_comm
     )
 
 

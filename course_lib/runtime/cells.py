@@ -50,10 +50,10 @@ import torch.distributed as dist
 from course_lib.ledgers import comm
 from course_lib.runtime import failures, launch
 from course_lib.runtime.forkserver import RANK_NAME, context
+from course_lib.runtime.host import check_world_size, cores
 from course_lib.runtime.ranks import (
     RankState,
     collective_of,
-    cores,
     describe_exit,
     die_with_parent,
     laggards,
@@ -497,7 +497,7 @@ def _start(words: list[str], options: argparse.Namespace) -> None:
     if len(words) != 1 or not words[0].isdigit() or int(words[0]) < 1:
         raise _usage("say how many ranks to start: %ranks start 4")
     world_size = int(words[0])
-    launch.check_world_size(world_size)
+    check_world_size(world_size)
     if _SESSION is not None:
         print(f"stopping the {_SESSION.world_size} running ranks first")
         stop()

@@ -27,6 +27,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from course_lib.runtime.checkpoint_plan import CheckpointPlan
 
 KINDS = ("raise", "exit", "kill", "hang")
 PHASES = ("forward", "grad_sync", "optimizer", "checkpoint")
@@ -103,3 +107,31 @@ def reach(step: int, phase: str) -> None:
 
     if dist.get_rank() == fault.rank:
         _FIRE[fault.kind](fault)
+
+
+def check_fault(
+    fault: Fault,
+    world_size: int,
+    steps: int,
+    plan: CheckpointPlan | None,
+    asynchronous: bool,
+    in_process: bool,
+) -> None:
+    """Refuse a fault this run cannot fire: in this process, before a resumed run's first step, in a checkpoint
+    phase of a step that saves none or of an asynchronous checkpoint."""
+    if in_process:
+        raise ValueError("a fault is injected into launched ranks, not into this process; drop in_process")
+    fault.check(world_size, steps)
+    start = plan.start if plan is not None else 0
+    if fault.step < start:
+        raise ValueError(f"cannot fail at step {fault.step}: the resumed run trains steps {start} to {steps - 1}")
+    if fault.phase == "checkpoint" and (plan is None or not plan.due(fault.step)):
+        raise ValueError(
+            f"a fault in the checkpoint phase fires in a step that saves one, and step {fault.step} does not: "
+            f"pass checkpoint_every=K with (step + 1) divisible by K"
+        )
+    if fault.phase == "checkpoint" and fault.kind == "hang" and asynchronous:
+        raise ValueError(
+            "a hang in the checkpoint phase of an asynchronous checkpoint would stop only the thread that writes "
+            "it, not the rank; hang a synchronous checkpoint, or another phase"
+        )

@@ -1,12 +1,16 @@
 """What this machine has for ranks: the memory this process may still take, as the kernel estimates it and as its
-memory cgroups allow. It imports no torch, so the launcher, the harness and the command line can all ask before
-anything starts.
+memory cgroups allow, its cores and its GPUs; and what they decide: how many local ranks it holds, which backend and
+device the ranks take. It imports no torch (but to count GPUs where a driver is installed), so the launcher, the
+harness and the command line can all ask before anything starts.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+from course_lib.runtime.forkserver import under_torchrun
 
 MEMINFO = "/proc/meminfo"  # the kernel's account of the machine's memory (Linux)
 RANK_MEMORY_BYTES = 400 * 2**20  # what one local CPU rank costs: its own pages beyond the forkserver's, generously
@@ -94,3 +98,103 @@ def available_memory() -> int | None:
         cgroups = []
     rooms = [room for kind, folder, top in cgroups if (room := cgroup_room(kind, folder, top)) is not None]
     return min([machine, *rooms])
+
+
+def cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def max_local_ranks() -> int:
+    """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
+    the memory available to this process fits at :data:`RANK_MEMORY_BYTES` each
+    (:func:`available_memory`: page cache counts as available, a cgroup's limit as a limit)."""
+    by_cores = max(8, 4 * cores())
+    available = available_memory()
+    return by_cores if available is None else max(1, min(by_cores, available // RANK_MEMORY_BYTES))
+
+
+def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
+    """Refuse more local CPU ranks than this machine holds (:func:`max_local_ranks`), or than ``max_ranks`` where the
+    user set that limit: a typo must not fork a thousand processes. Under torchrun, torchrun decides how many
+    processes there are."""
+    if under_torchrun():
+        return
+    if max_ranks is not None:
+        if world_size > max_ranks:
+            raise ValueError(
+                f"world size {world_size} is more ranks than your limit allows (max_ranks={max_ranks}, "
+                f"--max-ranks {max_ranks} on the command line): use fewer ranks, or raise the limit."
+            )
+        return
+    limit = max_local_ranks()
+    if world_size > limit:
+        available = available_memory()
+        memory = "" if available is None else f"{available / 2**30:.1f} GiB available, "
+        raise ValueError(
+            f"world size {world_size} is more ranks than this machine holds ({limit}: four per core on {cores()} "
+            f"core{'s' * (cores() != 1)}, at least 8, within the memory available to this process ({memory}"
+            f"~{RANK_MEMORY_BYTES // 2**20} MB a rank)). Use fewer ranks, or raise the limit if you know better "
+            "(max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
+        )
+
+
+# Where a CUDA (or ROCm) GPU's driver shows itself on Linux (WSL2: /dev/dxg); none of them: no GPU torch could use.
+_GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def cuda_devices() -> int:
+    """The CUDA devices torch can use: 0, without importing torch, where no GPU driver is installed (a laptop, CI:
+    neither Linux's device nodes above nor Windows), so that a CPU machine refuses ``nccl`` or ``cuda`` at once;
+    else torch's count."""
+    if sys.platform != "win32" and not any(os.path.exists(path) for path in _GPU_DRIVER_PATHS):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def compute_device(backend: str, device: str | None = None) -> str:
+    """Where ranks compute: ``cpu``, or ``cuda`` (local rank r on GPU r modulo the GPUs). By default CUDA under
+    NCCL and the CPU under gloo. gloo ranks may compute on CUDA too, several to a GPU: their collectives then go
+    through host memory (:mod:`course_lib.ledgers.comm`). NCCL ranks compute on their GPUs only."""
+    if device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and not cuda_devices():
+        raise ValueError("device 'cuda' needs a CUDA GPU, and this machine has none: use device 'cpu'")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("NCCL ranks compute on their GPUs: use backend 'gloo' for ranks on the CPU")
+    return device
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``auto`` becomes nccl when CUDA has one device per rank, else gloo; an impossible choice is an error."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    gpus = cuda_devices()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend 'nccl' needs one CUDA device per rank: world_size={world_size} but this machine has {gpus}. "
+            "Use backend='gloo' (CPU ranks) or a smaller world_size."
+        )
+    return backend
+
+
+def local_device(name: str | None) -> str:
+    """The device ``name`` says (``cpu``, ``cuda`` or ``cuda:N``; None: the first CUDA GPU if there is one, else the
+    CPU), as ``cpu`` or ``cuda:N``; a one-line ValueError for another name or a GPU this machine has not."""
+    if name is None:
+        return "cuda:0" if cuda_devices() else "cpu"
+    kind, colon, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and not index.isdigit()):
+        raise ValueError(f"unknown device {name!r}; use cpu or cuda (cuda:N for GPU N)")
+    if kind == "cpu":
+        return "cpu"
+    count, index = cuda_devices(), int(index or 0)
+    if index >= count:
+        raise ValueError(f"no CUDA device {index}: this machine has {count}; measure the CPU with --device cpu")
+    return f"cuda:{index}"

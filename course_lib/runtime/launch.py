@@ -48,12 +48,11 @@ import torch.distributed as dist
 from course_lib.ledgers import comm, trace
 from course_lib.runtime import failures
 from course_lib.runtime.forkserver import RANK_NAME, context, torchrun_restart, under_torchrun
-from course_lib.runtime.host import RANK_MEMORY_BYTES, available_memory
+from course_lib.runtime.host import check_world_size, compute_device, cores, resolve_backend
 from course_lib.runtime.ranks import (
     PipeWriter,
     RankState,
     RankStatus,
-    cores,
     describe_exit,
     die_with_parent,
     join_group,
@@ -146,78 +145,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compute_device(backend: str, device: str | None = None) -> str:
-    """Where ranks compute: ``cpu``, or ``cuda`` (local rank r on GPU r modulo the GPUs). By default CUDA under
-    NCCL and the CPU under gloo. gloo ranks may compute on CUDA too, several to a GPU: their collectives then go
-    through host memory (:mod:`course_lib.ledgers.comm`). NCCL ranks compute on their GPUs only."""
-    if device is None:
-        return "cuda" if backend == "nccl" else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' needs a CUDA GPU, and this machine has none: use device 'cpu'")
-    if device == "cpu" and backend == "nccl":
-        raise ValueError("NCCL ranks compute on their GPUs: use backend 'gloo' for ranks on the CPU")
-    return device
-
-
 def _set_device(placed: str, local_rank: int) -> None:
     """Make this rank compute where :func:`compute_device` put it."""
     global _DEVICE
     if placed == "cuda":
         _DEVICE = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(_DEVICE)
-
-
-def resolve_backend(backend: str, world_size: int) -> str:
-    """``auto`` becomes nccl when CUDA has one device per rank, else gloo; an impossible choice is an error."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(
-            f"backend 'nccl' needs one CUDA device per rank: world_size={world_size} but this machine has {gpus}. "
-            "Use backend='gloo' (CPU ranks) or a smaller world_size."
-        )
-    return backend
-
-
-
-
-def max_local_ranks() -> int:
-    """How many local ranks this machine holds: four per core (at least 8, the course's 3D grid) and no more than
-    the memory available to this process fits at :data:`RANK_MEMORY_BYTES` each
-    (:func:`course_lib.runtime.host.available_memory`: page cache counts as available, a cgroup's limit as a limit)."""
-    by_cores = max(8, 4 * cores())
-    available = available_memory()
-    return by_cores if available is None else max(1, min(by_cores, available // RANK_MEMORY_BYTES))
-
-
-def check_world_size(world_size: int, max_ranks: int | None = None) -> None:
-    """Refuse more local CPU ranks than this machine holds (:func:`max_local_ranks`), or than ``max_ranks`` where the
-    user set that limit: a typo must not fork a thousand processes. Under torchrun, torchrun decides how many
-    processes there are."""
-    if under_torchrun():
-        return
-    if max_ranks is not None:
-        if world_size > max_ranks:
-            raise ValueError(
-                f"world size {world_size} is more ranks than your limit allows (max_ranks={max_ranks}, "
-                f"--max-ranks {max_ranks} on the command line): use fewer ranks, or raise the limit."
-            )
-        return
-    limit = max_local_ranks()
-    if world_size > limit:
-        available = available_memory()
-        memory = "" if available is None else f"{available / 2**30:.1f} GiB available, "
-        raise ValueError(
-            f"world size {world_size} is more ranks than this machine holds ({limit}: four per core on {cores()} "
-            f"core{'s' * (cores() != 1)}, at least 8, within the memory available to this process ({memory}"
-            f"~{RANK_MEMORY_BYTES // 2**20} MB a rank)). Use fewer ranks, or raise the limit if you know better "
-            "(max_ranks= in launch.run and run_scheme, --max-ranks on the command line)."
-        )
 
 
 def run(

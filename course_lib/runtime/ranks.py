@@ -69,11 +69,6 @@ class RankState:
     exit_note: str | None = None
 
 
-def cores() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def status_array(ctx: mp.context.BaseContext, world_size: int):
     """A :class:`RankStatus` per rank in memory that ``ctx``'s children share, none of them in a training step."""
     status = ctx.Array(RankStatus, world_size, lock=False)

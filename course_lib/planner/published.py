@@ -1,6 +1,7 @@
 """Published training throughput, row by row, beside the planner's estimate of it.
 
-Nineteen runs whose layout, batch and recompute are all known, the check on :func:`course_lib.planner.cost.step_time`:
+Twenty-eight runs whose layout, batch and recompute are all known, the check on
+:func:`course_lib.planner.cost.step_time`:
 
 * Narayanan et al. 2021 (SC21), "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   Table 1: ten GPT models from 1.7B to 1T parameters on 32 to 3072 A100s (80 GB, Selene). The micro-batch, the
@@ -16,6 +17,13 @@ Nineteen runs whose layout, batch and recompute are all known, the check on :fun
   (FULL_SHARD) on 8 to 64 H100s, 1B to 70B parameters, at 2K tokens and one at 64K. Its MFU counts
   (6 N s + 12 L d s^2) FLOPs a sequence, attention not halved for the causal mask, against 989 TFLOP/s; its "Model
   TFLOP" column is that rate per GPU. Four of the six miss by more than 15%; each row's ``explained`` says why.
+* torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (2024-12): Llama 3.1 8B FSDP on 8 and 128 H100s
+  (BF16), 70B FSDP x TP and 405B 3D with 1F1B and interleaved 1F1B (Float8), on H100s held to 500 W whose peak the
+  source does not know (profile ``h100-500w``); tokens/s per GPU in torchtitan's count (:func:`torchtitan_flops`).
+  All five miss by more than 15%, explained with computed facts (:func:`facts`).
+* Megatron-Bridge, ``docs/performance-summary.md`` (25.11 and 25.09 containers, DGX-H100, FP8 with current
+  scaling): Llama 3 8B, 70B and 405B, and DeepSeek-V3 with EP 64; Model TFLOP/s in Megatron's count
+  (:func:`megatron_flops`), the linears at the FP8 peak (``h100+fp8``). DeepSeek-V3 misses, explained.
 
 The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
 (:data:`course_lib.cluster.profiles.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about

@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -41,6 +41,7 @@ class HardwareProfile:
     attention_efficiency: float  # fraction of the dense peak a fused (FlashAttention-style) attention kernel sustains
     hbm_bandwidth: float  # bytes/s of the GPU's own memory, what the element-wise kernels stream through
     sources: tuple[str, ...] = field(default=())
+    fp8_linears: bool = False  # the layers' linear matmuls at peak_flops["fp8"] (get_profile's "+fp8")
 
 
 # What the planner's step-time model (course_lib.planner.cost.step_time) assumes of a GPU beside its datasheet, one
@@ -58,10 +59,13 @@ class HardwareProfile:
 # fraction scaled by the two GPUs' measured matmul ceilings (the largest BF16 matmul throughput found by a shape
 # search, "MAMF": A100 SXM 85.9%, H100 SXM 80.1% of peak; Bekman, ml-engineering, compute/accelerator/README.md):
 # 0.63 x 80.1 / 85.9 = 0.59. The H800 has the H100's compute; the L40S, unmeasured, is taken as the A100.
-MATMUL_EFFICIENCY = {"a100": 0.63, "h100": 0.59, "h800": 0.59, "pcie": 0.63}
+# The H100 at torchtitan's 500 W cap ("h100-500w") is the same chip: its fraction is the H100's (what the cap costs
+# is in its peak, not here). FP8 matmuls (get_profile's "+fp8") are taken to sustain the same fraction of the FP8
+# peak: no measurement of FP8's own was found, and the published FP8 rows test it.
+MATMUL_EFFICIENCY = {"a100": 0.63, "h100": 0.59, "h100-500w": 0.59, "h800": 0.59, "pcie": 0.63}
 # attention_efficiency: the fraction of the dense peak a fused attention kernel sustains. FlashAttention-2: 50-73% on
 # A100 (Dao 2023, abstract; the low end, 0.5, taken), 35% on H100 (Shah et al. 2024, FlashAttention-3, abstract).
-ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h800": 0.35, "pcie": 0.5}
+ATTENTION_EFFICIENCY = {"a100": 0.5, "h100": 0.35, "h100-500w": 0.35, "h800": 0.35, "pcie": 0.5}
 
 TIME_MODEL_ASSUMPTIONS = (
     "Compute: matrix multiplies at the profile's matmul_efficiency of its dense peak; fused attention at its "
@@ -78,11 +82,14 @@ TIME_MODEL_ASSUMPTIONS = (
     "bubble is the schedule's idle over busy time times a stage's work, compute and its TP, CP and EP traffic.",
 )
 
+NVL_BF16_PEAK = 835e12  # H100 NVL, BF16 dense (NVIDIA H100 datasheet, NVL column: 1,671 TFLOPS with sparsity)
+FP8 = "+fp8"  # a profile name's suffix: its linear layers in FP8 (get_profile)
+
 PROFILES = {
     "h100": HardwareProfile(
         name="h100",
         description="DGX H100: 8x H100 SXM5 80 GB, NVLink 4 / NVSwitch, one 400 Gb/s NDR InfiniBand NIC per GPU",
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
         memory_bytes=80e9,
         gpus_per_node=8,
         intra_bandwidth=450e9,  # NVLink 4: 900 GB/s per GPU, both directions together
@@ -93,16 +100,45 @@ PROFILES = {
         attention_efficiency=ATTENTION_EFFICIENCY["h100"],
         hbm_bandwidth=3.35e12,  # HBM3
         sources=(
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP32 67 TFLOPS, 80 GB HBM3 at "
-            "3.35 TB/s, NVLink 900 GB/s)",
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 989 TFLOPS dense, FP8 1,979 TFLOPS dense, FP32 67 "
+            "TFLOPS, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; the datasheet prints the Tensor Core rates with "
+            "sparsity, twice these)",
             "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s InfiniBand for the compute fabric)",
+        ),
+    ),
+    # torchtitan's Llama 3 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware" and footnote 2): Meta's
+    # Grand Teton hosts, 8 H100s fully connected with NVLink, each "HBM2e-based SXM H100 with lower TDP": 96 GB of
+    # HBM2e at 2.4 TB/s, the default 500 W power limit (700 W TDP), 400 Gb/s of RDMA network per GPU. Its peak is
+    # not stated: "between SXM and NVL, and we don't know its exact value". The profile takes the SXM5 datasheet's
+    # dense peaks, the upper bound (and the peak torchtitan's own MFU divides by); the NVL's, 835 TFLOPS BF16 dense
+    # (NVIDIA H100 datasheet, NVL column, 1,671 with sparsity), is the lower: NVL_BF16_PEAK. NVLink as the SXM5's.
+    "h100-500w": HardwareProfile(
+        name="h100-500w",
+        description="Grand Teton: 8x H100 SXM 96 GB HBM2e at a 500 W power limit, NVLink, 400 Gb/s RDMA per GPU "
+        "(torchtitan's Llama 3 benchmarks, 2024-12); peak taken as the SXM5's, an upper bound under the cap",
+        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+        memory_bytes=96e9,
+        gpus_per_node=8,
+        intra_bandwidth=450e9,  # NVLink 4 of an SXM H100: 900 GB/s per GPU, both directions together
+        intra_latency_s=2e-6,
+        inter_bandwidth=50e9,  # 400 Gb/s per GPU (stated)
+        inter_latency_s=5e-6,
+        matmul_efficiency=MATMUL_EFFICIENCY["h100-500w"],
+        attention_efficiency=ATTENTION_EFFICIENCY["h100-500w"],
+        hbm_bandwidth=2.4e12,  # HBM2e (stated)
+        sources=(
+            "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024-12): 8 H100s a host fully "
+            "connected with NVLink, 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W power limit; footnote 2: "
+            "an HBM2e SXM H100 with lower TDP whose peak lies between the SXM's and the NVL's",
+            "NVIDIA H100 Tensor Core GPU datasheet: SXM5 dense peaks (BF16 989, FP8 1,979 TFLOPS) taken as the "
+            "upper bound; NVL BF16 835 TFLOPS dense the lower (NVL_BF16_PEAK)",
         ),
     ),
     "h800": HardwareProfile(
         name="h800",
         description="8x H800 SXM5 80 GB (the H100's export variant: same compute, NVLink cut to 400 GB/s), one "
         "400 Gb/s InfiniBand NIC per GPU: DeepSeek-V3's cluster",
-        peak_flops={"bf16": 989e12, "fp32": 67e12},  # the H100 SXM5's dense peaks: same die and clocks
+        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},  # the H100 SXM5's dense peaks: same die, clocks
         memory_bytes=80e9,
         gpus_per_node=8,
         intra_bandwidth=160e9,  # what DeepSeek-V3 reports achieving over NVLink, per GPU
@@ -200,7 +236,14 @@ def measured_profiles() -> dict[str, HardwareProfile]:
 
 def get_profile(name: str) -> HardwareProfile:
     """A published profile (:data:`PROFILES`), a measured one by name (:func:`measured_profiles`), or a profile's
-    JSON file by path."""
+    JSON file by path; ``NAME+fp8``: that profile with its transformer layers' linear matmuls at its FP8 peak
+    (``fp8_linears``), as Transformer Engine's FP8 and torchao's Float8 run them; attention, the output head and the
+    element-wise kernels stay BF16, and memory and traffic are counted as in BF16 mixed precision."""
+    if name.endswith(FP8):
+        base = get_profile(name.removesuffix(FP8))
+        if "fp8" not in base.peak_flops:
+            raise ValueError(f"{base.name} has no FP8 peak: drop {FP8}, or use one of {sorted(PROFILES)}")
+        return replace(base, name=name, description=base.description + "; linear layers in FP8", fp8_linears=True)
     if name in PROFILES:
         return PROFILES[name]
     if name.endswith(".json"):

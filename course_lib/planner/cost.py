@@ -68,6 +68,14 @@ def _rate(profile: HardwareProfile, precision: str, efficiency: float) -> float:
     return profile.peak_flops[PEAK[precision]] * efficiency
 
 
+def linear_rate(profile: HardwareProfile, precision: str) -> float:
+    """FLOP/s of a transformer layer's linear matmuls: the profile's ``matmul_efficiency`` of its FP8 peak where it
+    runs them in FP8 (``fp8_linears``, :func:`course_lib.cluster.profiles.get_profile`'s ``+fp8``) under mixed
+    precision, else of the precision's peak."""
+    fp8 = profile.fp8_linears and precision == "mixed"
+    return (profile.peak_flops["fp8"] if fp8 else profile.peak_flops[PEAK[precision]]) * profile.matmul_efficiency
+
+
 def _attention_efficiency(profile: HardwareProfile, attention: str) -> float:
     """Scores written to memory are batched matrix multiplies (their memory traffic counted apart,
     :func:`elementwise_bytes`); a fused kernel runs at its own measured rate."""
@@ -100,14 +108,15 @@ def elementwise_bytes(model: Model, c: Candidate, micro_batch: int) -> float:
 
 def layer_seconds(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, precision: str) -> float:
     """One transformer layer, one microbatch, one GPU, forward, backward and recompute: its matmuls at the
-    profile's ``matmul_efficiency`` of peak, its attention scores at the kernel's (:func:`_attention_efficiency`)
+    profile's ``matmul_efficiency`` of peak (of the FP8 peak with FP8 linears, :func:`linear_rate`), its attention
+    scores at the kernel's (:func:`_attention_efficiency`)
     and its element-wise kernels at the memory bandwidth (:func:`elementwise_bytes`), one after the other."""
     tokens = micro_batch * model.seq / c.cp / c.tp  # what a GPU's share of the matmuls amounts to
     matmul = 2 * layer_params(model) * tokens * (3 + RECOMPUTE_PASSES[c.recompute])
     attention = attention_flops_per_token(model, c.attention) / model.layers * tokens
     attention *= 1 + (c.recompute != "none") / 3
     return (
-        matmul / _rate(profile, precision, profile.matmul_efficiency)
+        matmul / linear_rate(profile, precision)
         + attention / _rate(profile, precision, _attention_efficiency(profile, c.attention))
         + elementwise_bytes(model, c, micro_batch) / profile.hbm_bandwidth
     )

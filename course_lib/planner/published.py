@@ -1,6 +1,7 @@
 """Published training throughput, row by row, beside the planner's estimate of it.
 
-Nineteen runs whose layout, batch and recompute are all known, the check on :func:`course_lib.planner.cost.step_time`:
+Twenty-eight runs whose layout, batch and recompute are all known, the check on
+:func:`course_lib.planner.cost.step_time`:
 
 * Narayanan et al. 2021 (SC21), "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   Table 1: ten GPT models from 1.7B to 1T parameters on 32 to 3072 A100s (80 GB, Selene). The micro-batch, the
@@ -16,6 +17,13 @@ Nineteen runs whose layout, batch and recompute are all known, the check on :fun
   (FULL_SHARD) on 8 to 64 H100s, 1B to 70B parameters, at 2K tokens and one at 64K. Its MFU counts
   (6 N s + 12 L d s^2) FLOPs a sequence, attention not halved for the causal mask, against 989 TFLOP/s; its "Model
   TFLOP" column is that rate per GPU. Four of the six miss by more than 15%; each row's ``explained`` says why.
+* torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (2024-12): Llama 3.1 8B FSDP on 8 and 128 H100s
+  (BF16), 70B FSDP x TP and 405B 3D with 1F1B and interleaved 1F1B (Float8), on H100s held to 500 W whose peak the
+  source does not know (profile ``h100-500w``); tokens/s per GPU in torchtitan's count (:func:`torchtitan_flops`).
+  All five miss by more than 15%, explained with computed facts (:func:`facts`).
+* Megatron-Bridge, ``docs/performance-summary.md`` (25.11 and 25.09 containers, DGX-H100, FP8 with current
+  scaling): Llama 3 8B, 70B and 405B, and DeepSeek-V3 with EP 64; Model TFLOP/s in Megatron's count
+  (:func:`megatron_flops`), the linears at the FP8 peak (``h100+fp8``). DeepSeek-V3 misses, explained.
 
 The hardware profiles' sustained fractions of peak are one number per GPU generation for every row
 (:data:`course_lib.cluster.profiles.MATMUL_EFFICIENCY`); nothing here is set per row but what the sources state about
@@ -24,278 +32,30 @@ the run, and where a source is silent (Llama 3's chunks per rank and micro-batch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
+from course_lib.cluster.profiles import NVL_BF16_PEAK, get_profile
 from course_lib.model.config import Layout
-from course_lib.model.formulas import params_from_dims
 from course_lib.planner.cost import attention_flops_per_token
 from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.layouts import Candidate
-from course_lib.planner.presets import PRESETS, Model
-
-_N21 = "Narayanan et al. 2021 (SC21), Table 1"
-_N21_RUN = (
-    "micro-batch and interleaving from Megatron-LM examples/sc21/run_table_1.sh (commit 6985e589); full recompute "
-    "(--activations-checkpoint-method uniform, every layer), fp16, no ZeRO, no sequence parallelism (2021); "
-    "attention writes its scores to memory (no FlashAttention in 2021)"
-)
-_L3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 4"
-_L3_RUN = (
-    "BF16; FSDP that keeps the gathered weights through the step and reduce-scatters the gradients once (§3.3.2), "
-    "costed as ZeRO-1; interleaved schedule (§3.3.2) with v = 8, one layer slot per chunk: the first chunk of the "
-    "first stage holds only the embedding and the last of the last only the head, and 126 layers + 2 = 128 slots = "
-    "16 stages x 8 (an inference, V is not published); micro-batch 1 (Batch size/DP sequences a DP rank, one per "
-    "microbatch; not published); no recompute (§3.3.2 at 8K, none stated at 128K); FlashAttention-style attention "
-    "and sequence parallelism assumed"
-)
-SEQ_N21, VOCAB_N21 = 2048, 51200  # Narayanan et al. 2021, §5.1
-
-
-@dataclass(frozen=True)
-class PublishedRow:
-    """One published run: where it is printed, the model, the layout and how it ran, what it reached, and how its
-    source counts FLOPs (``convention``: "eq3", Narayanan et al. 2021's eq. (3); "model", 6N + causal attention;
-    "llm-foundry", 6N + unmasked attention). ``printed`` holds the numbers as the source prints them where a field
-    here differs or is derived; ``explained``, for a row whose estimate misses by more than 15%, why."""
-
-    source: str
-    row: str
-    model: Model
-    gpus: int
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    global_batch: int
-    tflops_per_gpu: float  # published
-    peak_fraction: float  # published: "% of theoretical peak" (eq. 3) or "BF16 MFU"
-    convention: str
-    hardware: str
-    precision: str  # as run: fp16 or bf16 (the planner's "mixed")
-    recompute: str
-    attention: str
-    sp: bool
-    zero: int
-    cp: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-    printed: tuple[tuple[str, float], ...] = ()
-    run: str = ""
-    explained: str = ""
-
-    @property
-    def label(self) -> str:
-        return f"{self.source}, {self.row}"
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.global_batch * self.model.seq
-
-
-def _narayanan(
-    params: float, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, micro: int, v: int
-) -> tuple[Model, dict]:
-    model = Model(
-        f"gpt-{params:g}b",
-        params_from_dims(layers, hidden, VOCAB_N21, SEQ_N21),
-        layers,
-        hidden,
-        heads,
-        SEQ_N21,
-        global_batch=batch,
-        vocab=VOCAB_N21,
-        source=f"{_N21}: {params:g}B parameters, {layers} layers, hidden {hidden}, {heads} heads",
-    )
-    layout = {"tp": tp, "pp": pp, "dp": gpus // (tp * pp), "micro_batch": micro, "global_batch": batch}
-    if v > 1:
-        layout |= {"schedule": "interleaved", "chunks": v}
-    return model, layout
-
-
-def _narayanan_row(
-    params: float,
-    heads: int,
-    hidden: int,
-    layers: int,
-    tp: int,
-    pp: int,
-    gpus: int,
-    batch: int,
-    tflops: float,
-    peak: float,
-    pflops: float,
-    micro: int,
-    v: int,
-) -> PublishedRow:
-    model, layout = _narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, micro, v)
-    return PublishedRow(
-        _N21,
-        f"{params:g}B row",
-        model,
-        gpus,
-        tflops_per_gpu=tflops,
-        peak_fraction=peak,
-        convention="eq3",
-        hardware="a100",
-        precision="fp16",
-        recompute="full",
-        attention="materialized",
-        sp=False,
-        zero=0,
-        printed=(("params_billions", params), ("aggregate_pflops", pflops)),
-        run=_N21_RUN,
-        **layout,
-    )
-
-
-# params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU, % of peak, aggregate PFLOP/s (Table 1);
-# micro-batch and v (run_table_1.sh: v = layers per stage / --num-layers-per-virtual-pipeline-stage).
-NARAYANAN_2021 = tuple(
-    _narayanan_row(*r)
-    for r in (
-        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 0.44, 4.4, 16, 1),
-        (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 0.44, 8.8, 16, 1),
-        (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 0.46, 18.2, 16, 1),
-        (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43, 34.6, 8, 1),
-        (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44, 70.8, 4, 1),  # no virtual stages in the script: 1F1B
-        (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45, 143.8, 2, 3),
-        (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47, 227.1, 2, 2),
-        (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50, 297.4, 1, 2),
-        (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52, 410.2, 1, 3),
-        (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52, 502.0, 1, 1),  # no virtual stages: 1F1B
-    )
+from course_lib.planner.published_rows import (
+    LLAMA3_2024,
+    LLM_FOUNDRY_2023,
+    MEGATRON_BRIDGE_2025,
+    NARAYANAN_2021,
+    ROWS,
+    TORCHTITAN_2024,
+    PublishedRow,
+    torchtitan_flops_per_token,
 )
 
-_LLAMA3_405B = PRESETS["llama3-405b"]
-_LLAMA3_ROW = {
-    "source": _L3,
-    "tp": 8,
-    "pp": 16,
-    "micro_batch": 1,
-    "convention": "model",
-    "hardware": "h100",
-    "precision": "bf16",
-    "recompute": "none",
-    "attention": "flash",
-    "sp": True,
-    "zero": 1,
-    "schedule": "interleaved",
-    "chunks": 8,
-    "run": _L3_RUN,
-}
-LLAMA3_2024 = (
-    PublishedRow(
-        row="row 1 (8,192 GPUs, 8K)",
-        model=replace(_LLAMA3_405B, seq=8192, global_batch=2048),
-        gpus=8192,
-        dp=64,
-        global_batch=2048,
-        tflops_per_gpu=430,
-        peak_fraction=0.43,
-        printed=(("batch_per_dp", 32), ("tokens_per_batch_m", 16)),
-        **_LLAMA3_ROW,
-    ),
-    PublishedRow(
-        row="row 2 (16,384 GPUs, 8K)",
-        model=replace(_LLAMA3_405B, seq=8192, global_batch=2048),
-        gpus=16384,
-        dp=128,
-        global_batch=2048,
-        tflops_per_gpu=400,
-        peak_fraction=0.41,
-        printed=(("batch_per_dp", 16), ("tokens_per_batch_m", 16)),
-        **_LLAMA3_ROW,
-    ),
-    # Printed with DP 4, a slip: TP 8 x CP 16 x PP 16 x DP 4 makes 8,192 GPUs, not the row's 16,384, and 4 x 16
-    # sequences of 131,072 tokens make 8M tokens, not the row's 16M; DP 8 satisfies both (and the planner's
-    # llama3-405b-128k preset keeps the printed 4 on the 8,192 GPUs it makes).
-    PublishedRow(
-        row="row 3 (16,384 GPUs, 128K; DP printed as 4, 8 used)",
-        model=replace(PRESETS["llama3-405b-128k"], global_batch=128),
-        gpus=16384,
-        dp=8,
-        cp=16,
-        global_batch=128,
-        tflops_per_gpu=380,
-        peak_fraction=0.38,
-        printed=(("dp", 4), ("batch_per_dp", 16), ("tokens_per_batch_m", 16)),
-        **_LLAMA3_ROW,
-    ),
-)
-
-_LLMF = "MosaicML llm-foundry, scripts/train/benchmarking/README.md, H100 80GB BF16"
-_LLMF_RUN = (
-    "MPT: GELU MLP 4d, LayerNorm, tied embeddings, vocabulary 50,368, learned positions (the table's NumParams grows "
-    "by s d with the sequence); FSDP FULL_SHARD over every GPU (ZeRO-3), amp_bf16, FlashAttention-style attention; "
-    "recompute as the table's Activation Checkpointing column; parameters counted without MPT's qkv bias (3 d a layer)"
-)
-VOCAB_MPT = 50368  # llm-foundry's MPT yamls
-_LLMF_SHORT_STEP = (
-    "not fully explained: one microbatch a step (GradAccum 1), about a second; the planner hides FSDP's gathers "
-    "under the compute and counts no per-step cost beyond the matmuls and attention. Counting the first gather and "
-    "the last reduce-scatter that nothing hides closes little of the gap (checked); the optimizer step and eager "
-    "PyTorch's kernel launches are the candidates left, not measured. The 70B and 30B rows, several microbatches "
-    "and tens of seconds a step, are within 15%"
-)
-_LLMF_64K = (
-    "65,536 tokens: attention is most of the step's FLOPs, and the planner times it as a FlashAttention-2 kernel "
-    "that skips the blocks the causal mask hides, at the H100 profile's attention efficiency (Shah et al. 2024); "
-    "the 2023 MPT kernel either sustained less at this length or computed the masked blocks too (an inference, not "
-    "measured: the table's 2K rows of large models are within 15%)"
-)
-
-
-def _mpt_row(
-    size: str, layers: int, hidden: int, heads: int, seq: int, gpus: int, micro: int, batch: int, recompute: bool,
-    mfu: float, model_tflop: float, tokens_per_gpu: int, num_params: int, explained: str = "",
-) -> PublishedRow:  # fmt: skip
-    model = Model(
-        f"mpt-{size}",
-        params_from_dims(layers, hidden, VOCAB_MPT, seq),
-        layers,
-        hidden,
-        heads,
-        seq,
-        global_batch=batch,
-        vocab=VOCAB_MPT,
-        source=f"{_LLMF}: MPT {size}, {layers} layers, d_model {hidden}, {heads} heads (llm-foundry's yamls)",
-    )
-    return PublishedRow(
-        _LLMF,
-        f"{size} on {gpus} GPUs, seq {seq:,}",
-        model,
-        gpus,
-        tp=1,
-        pp=1,
-        dp=gpus,
-        micro_batch=micro,
-        global_batch=batch,
-        tflops_per_gpu=model_tflop / 1e12,
-        peak_fraction=mfu / 100,
-        convention="llm-foundry",
-        hardware="h100",
-        precision="bf16",
-        recompute="full" if recompute else "none",
-        attention="flash",
-        sp=False,
-        zero=3,
-        printed=(("mfu_percent", mfu), ("tokens_per_s_per_gpu", tokens_per_gpu), ("num_params", num_params)),
-        run=_LLMF_RUN,
-        explained=explained,
-    )
-
-
-# Model, layers, d_model, heads, SeqLen, GPUs, MicroBatchSize, GlobalBatchSize, Activation Checkpointing, MFU (%),
-# Model TFLOP (per GPU), Throughput (T/s/GPU), NumParams: the table's rows as printed.
-LLM_FOUNDRY_2023 = (
-    _mpt_row("70b", 80, 8192, 64, 2048, 64, 8, 2048, True, 42.57, 4.212583e14, 1039, 64862437376),
-    _mpt_row("30b", 48, 7168, 56, 2048, 32, 14, 1344, True, 43.92, 4.346371e14, 2308, 29975214080),
-    _mpt_row("13b", 40, 5120, 40, 2048, 8, 2, 16, False, 39.79, 3.937055e14, 4792, 12853954560, _LLMF_SHORT_STEP),
-    _mpt_row("7b", 32, 4096, 32, 2048, 8, 6, 48, False, 46.44, 4.595096e14, 10643, 6658859008, _LLMF_SHORT_STEP),
-    _mpt_row("7b", 32, 4096, 32, 65536, 8, 1, 16, True, 28.59, 2.829422e14, 1956, 6918905856, _LLMF_64K),
-    _mpt_row("1b", 24, 2048, 16, 2048, 8, 14, 112, False, 41.82, 4.138134e14, 45455, 1315950592, _LLMF_SHORT_STEP),
-)
-ROWS = NARAYANAN_2021 + LLAMA3_2024 + LLM_FOUNDRY_2023
+__all__ = [  # the rows, from published_rows, beside the comparison
+    "LLAMA3_2024", "LLM_FOUNDRY_2023", "MEGATRON_BRIDGE_2025", "NARAYANAN_2021", "ROWS", "TORCHTITAN_2024",
+    "PublishedRow", "Estimate", "compare", "estimate", "facts", "llm_foundry_flops", "megatron_flops",
+    "narayanan_flops", "report", "torchtitan_flops",
+]  # fmt: skip
 
 
 def narayanan_flops(row: PublishedRow) -> float:
@@ -312,6 +72,53 @@ def llm_foundry_flops(row: PublishedRow) -> float:
     of attention that computes them all), no recompute."""
     m = row.model
     return row.global_batch * m.seq * (6 * m.params + attention_flops_per_token(m, "materialized"))
+
+
+def torchtitan_flops(row: PublishedRow) -> float:
+    """FLOPs of one step as torchtitan counts them (:func:`torchtitan_flops_per_token`)."""
+    return row.tokens_per_batch * torchtitan_flops_per_token(row.model)
+
+
+def _padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron's vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` (128) x TP
+    (``calculate_padded_vocab_size``)."""
+    step = multiple * tp
+    return math.ceil(vocab / step) * step
+
+
+def megatron_flops(row: PublishedRow) -> float:
+    """FLOPs of one step as Megatron-Bridge counts them (``num_floating_point_operations``, its
+    training/utils/flop_utils.py): 12 x every GEMM's h x n a token (forward, weight and input gradients) over the
+    layers and the multi-token-prediction layers, the SwiGLU MLPs (a dense layer's ffn, an MoE layer's top-k and
+    shared experts') at 3/2; attention's scores and their product with V causal, halved; grouped-query attention's
+    K and V at their share of the heads, or multi-head latent attention's projections (``row.mla``); the output
+    head over the vocabulary padded to 128 x TP; the input embedding not counted."""
+    m, h, s = row.model, row.model.hidden, row.model.seq
+    layers = m.layers + row.mtp_layers
+    e = m.experts
+    moe = (m.layers - e.dense_layers + row.mtp_layers) if e else 0
+    mlp = 12 * h * 1.5 * ((layers - moe) * m.ffn + (moe * (e.top_k + e.shared) * e.ffn if e else 0))
+    if row.mla:
+        head, rope, v, q_rank, kv_rank = row.mla
+        n = m.heads
+        per_layer = (
+            q_rank * (h + n * (head + rope) + 1) + kv_rank * (h + n * (head + v) + 1) + h * rope + n * v * h
+            + s * n * (head + rope) / 2 + s * n * v / 2
+        )  # fmt: skip
+        attention = 6 * layers * per_layer
+    else:
+        attention = 12 * layers * h * h * (1 + (m.kv_heads or m.heads) / m.heads + s / h / 2)
+    mtp = 6 * row.mtp_layers * (3 * h + 2 * h * h)
+    logits = 6 * h * _padded_vocab(m.vocab, row.tp) * (row.mtp_layers + 1)
+    return row.tokens_per_batch * (mlp + attention + mtp + logits)
+
+
+CONVENTIONS = {
+    "eq3": narayanan_flops,
+    "llm-foundry": llm_foundry_flops,
+    "torchtitan": torchtitan_flops,
+    "megatron": megatron_flops,
+}  # "model": the planner's own model FLOPs
 
 
 @dataclass
@@ -341,14 +148,14 @@ class Estimate:
 
 def estimate(row: PublishedRow) -> Estimate:
     """Evaluate the row's layout with :func:`course_lib.planner.evaluate.evaluate_layout` on its hardware profile
-    and count its step's FLOPs as its source does: eq. (3) for Narayanan et al. 2021, the planner's model FLOPs for
-    Llama 3, :func:`llm_foundry_flops` for llm-foundry."""
+    and count its step's FLOPs as its source does (:data:`CONVENTIONS`; the planner's model FLOPs for Llama 3)."""
     layout = Layout(
         tp=row.tp,
         pp=row.pp,
         dp=row.dp,
         zero=row.zero,
         cp=row.cp,
+        ep=row.ep,
         schedule=row.schedule,
         chunks=row.chunks,
         sp=row.sp,
@@ -359,13 +166,49 @@ def estimate(row: PublishedRow) -> Estimate:
     c = evaluate_layout(
         row.model, row.gpus, layout, global_batch=row.global_batch, hardware=row.hardware, precision="mixed"
     )
-    if row.convention == "eq3":
-        flops = narayanan_flops(row)
-    elif row.convention == "llm-foundry":
-        flops = llm_foundry_flops(row)
-    else:
-        flops = c.model_flops
+    flops = CONVENTIONS[row.convention](row) if row.convention in CONVENTIONS else c.model_flops
     return Estimate(row, c, flops / (c.step_time_s * row.gpus) / 1e12)
+
+
+def _recomputed_by_op_policy(row: PublishedRow) -> float:
+    """The matmul FLOPs torchtitan's op-level selective checkpointing adds, over a layer's: it saves every odd
+    matmul of a layer's seven (wq wk wv wo w1 w3 w2, parallelize_llama.py's ``_custom_policy``) and recomputes
+    wk, wo and w3 forward, 2 x their parameters a token, against 6 x all seven's."""
+    m = row.model
+    kv = (m.kv_heads or m.heads) * m.hidden // m.heads
+    seven = 2 * m.hidden * m.hidden + 2 * m.hidden * kv + 3 * m.hidden * m.ffn
+    return 2 * (m.hidden * kv + m.hidden * m.hidden + m.hidden * m.ffn) / (6 * seven)
+
+
+def _ratio_at_slower_compute(e: Estimate, factor: float) -> float:
+    """The estimate's ratio had its compute run ``factor`` times slower: the compute and the bubble's share of it
+    (the bubble is its ratio times the compute and the TP, CP and EP traffic, :func:`cost.step_time`)."""
+    t = e.candidate.time
+    bubble_ratio = t["bubble_s"] / sum(t[k] for k in ("compute_s", "tp_comm_s", "cp_comm_exposed_s", "ep_comm_s"))
+    step = e.candidate.step_time_s + (factor - 1) * t["compute_s"] * (1 + bubble_ratio)
+    return e.ratio * e.candidate.step_time_s / step
+
+
+def facts(e: Estimate) -> dict[str, float]:
+    """What a row's explanation quotes, computed: the ratio; the ratio had the compute run at the H100 NVL's BF16
+    peak, the lower bound of torchtitan's capped H100 (``nvl``); the extra matmul FLOPs of torchtitan's op-level
+    checkpointing (``sac``); torch.compile's measured speed-up where printed (``compiled``); the ratio left once
+    the three are counted (``left``); the exposed TP and EP traffic in seconds (``tp_s``, ``ep_s``); the
+    multi-token-prediction layer's share of Megatron's count (``mtp``) and the ratio with its compute in the step
+    (``with_mtp``)."""
+    printed = dict(e.row.printed)
+    peak = get_profile(e.row.hardware).peak_flops["bf16"]
+    nvl = _ratio_at_slower_compute(e, peak / NVL_BF16_PEAK)
+    sac = _recomputed_by_op_policy(e.row) if e.row.convention == "torchtitan" else 0.0
+    compiled = printed.get("compiled_tokens_per_s_per_gpu", 0) / printed.get("tokens_per_s_per_gpu", 1)
+    with_sac = _ratio_at_slower_compute(e, 1 + sac)
+    left = e.ratio / ((e.ratio / with_sac) * (e.ratio / nvl) * max(compiled, 1.0))
+    mtp = 1 - megatron_flops(replace(e.row, mtp_layers=0)) / megatron_flops(e.row) if e.row.mtp_layers else 0.0
+    return {
+        "ratio": e.ratio, "nvl": nvl, "sac": sac, "compiled": compiled, "left": left,
+        "tp_s": e.candidate.time["tp_comm_s"], "ep_s": e.candidate.time["ep_comm_s"], "mtp": mtp,
+        "with_mtp": _ratio_at_slower_compute(e, 1 / (1 - mtp)),
+    }  # fmt: skip
 
 
 def compare() -> list[Estimate]:
@@ -387,5 +230,5 @@ def report(estimates: list[Estimate]) -> str:
             tokens = dict(e.row.printed).get("tokens_per_s_per_gpu")
             if tokens:
                 lines.append(f"    tokens/s per GPU: published {tokens:,.0f}, estimated {e.tokens_per_s_per_gpu:,.0f}")
-            lines.append(f"    missed: {e.row.explained}")
+            lines.append(f"    missed: {e.row.explained.format(**facts(e))}")
     return "\n".join(lines)

@@ -188,6 +188,14 @@ BAD = (
         (["memory", "--preset", "llama3-8b", "--hidden", "64"], "--preset gives the model's dims; drop --hidden"),
         (["memory", "--preset", "llama3-8b", "--pp", "4", "--chunks", "9"], "choose chunks of at most layers / pp"),
         (["memory", "--params", "7e9", "--precision", "bf16"], "invalid choice: 'bf16'"),
+        (["memory", "--preset", "llama3-8b", "--pp", "4", "--stage-layers", "7,9,9,8"], "add up to 33 layers, not 32"),
+        (["memory", "--preset", "llama3-8b", "--pp", "4", "--stage-layers", "7,9,16"], "give 3 stages, not 4"),
+        (["memory", "--preset", "llama3-8b", "--pp", "2", "--stage-layers", "0,32"], "needs at least one layer"),
+        (["memory", "--params", "7e9", "--pp", "2", "--stage-layers", "1,x"], "give whole numbers separated by"),
+        (
+            ["memory", *PLAN_405B[:2], "--pp", "16", "--chunks", "2", "--stage-layers", "7" + ",8" * 14 + ",7"],
+            "one model chunk",
+        ),
         (
             [
                 "memory",
@@ -241,11 +249,15 @@ BAD = (
         (["memory", "--params", "-7e9"], "--params: must be a finite number greater than 0, got -7e9"),
         (["run", "dp", "--gpus-per-node", "4"], "gpus_per_node shapes the modeled cluster's nodes"),
         (["plan", *PLAN_405B, "--no-model-parallel"], "--no-model-parallel asks the planner to search data-parallel"),
-        (["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "tp/pp"],
-         "the placement 'tp/pp' names tp, pp, which this run's mesh does not have (its axes: dp)"),  # fmt: skip
+        (
+            ["run", "dp", "--hardware", "h100", "--topology", "h100-superpod", "--placement", "tp/pp"],
+            "the placement 'tp/pp' names tp, pp, which this run's mesh does not have (its axes: dp)",
+        ),  # fmt: skip
         # output folders found unwritable before any work, --checkpoint-dir too (it was found inside the ranks)
-        (["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"], "--checkpoint-dir /proc/ckpt: "
-         "cannot write there"),  # fmt: skip
+        (
+            ["run", "dp", "--checkpoint-dir", "/proc/ckpt", "--checkpoint-every", "1"],
+            "--checkpoint-dir /proc/ckpt: cannot write there",
+        ),  # fmt: skip
         (["run", "dp", "--checkpoint-dir", "/proc", "--checkpoint-every", "1"], "--checkpoint-dir /proc: cannot write"),
         (["run", "dp", "--checkpoint-dir", "/etc/hostname"], "--checkpoint-dir /etc/hostname: is a file"),
         (["run", "dp", "--plot", "/proc/figures"], "--plot /proc/figures: cannot write there"),

@@ -229,7 +229,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         given.add_argument(f"--{axis}", type=positive_int, help=f"{what} parallel degree")
     given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
     given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
-    given.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved")
+    given.add_argument(
+        "--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved; zb-v and dualpipev hold 2"
+    )
     given.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute (default none)")
     given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")
     given.add_argument("--no-sp", action="store_true", help="no sequence parallelism with TP")

@@ -12,7 +12,14 @@ from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.topology import Topology, check_gpus, for_gpus, modeled
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
-from course_lib.parallel.schedules import PIPELINE_SCHEDULES, bubble_formula, bubble_ratio, peak_activations
+from course_lib.parallel.schedules import (
+    PIPELINE_SCHEDULES,
+    V_SHAPED,
+    bubble_formula,
+    bubble_ratio,
+    check_v_chunks,
+    peak_activations,
+)
 from course_lib.planner.cost import (
     PEAK,
     flops_per_token,
@@ -146,6 +153,8 @@ def evaluate_layout(
     check_settings(gpus, net.domain, batch, layout.micro_batch, precision)
     check_layout(model, gpus, layout, batch)
     layout = layout._replace(microbatches=batch // (layout.dp * layout.micro_batch))
+    if layout.schedule in V_SHAPED:  # its 2 chunks a rank are the V's own: chunks stays 1 for the formulas
+        layout = layout._replace(chunks=1)
     zeros = _zero_stages(layout) if lowest_fitting_zero else [layout.zero]
     gpu_mem = gpu_mem_bytes or profile.memory_bytes
     tried = [evaluate(model, layout._replace(zero=z), gpus, net, gpu_mem, batch, precision) for z in zeros]
@@ -218,9 +227,8 @@ def _check_schedule(model: Model, layout: Layout, m: int) -> None:
     pp, dp, schedule, chunks, micro_batch = layout.pp, layout.dp, layout.schedule, layout.chunks, layout.micro_batch
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
-    if chunks > 1 and schedule in ("zb-v", "dualpipev"):
-        raise ValueError(f"{schedule_name(schedule)} fixes 2 chunks per rank in a V: leave chunks out")
-    if chunks > 1 and schedule != "interleaved":
+    check_v_chunks(schedule, chunks)
+    if chunks > 1 and schedule not in ("interleaved", *V_SHAPED):
         raise ValueError(f"{chunks} chunks per rank need the interleaved schedule, not {schedule}")
     if pp == 1:
         if schedule != "1f1b":

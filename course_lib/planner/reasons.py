@@ -287,7 +287,7 @@ def beyond_search(p: Plan) -> list[Candidate]:
     args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
     ranked = pipeline_schedules(p.model.layers, p.pp, p.microbatches, bool(p.model.experts))
     return [
-        evaluate(p.model, p.layout._replace(schedule=s, chunks=1), *args)
+        evaluate(p.model, p.layout._replace(schedule=s, chunks=1, stage_layers=()), *args)
         for s in v_schedules(p.model.layers, p.pp, p.microbatches)
         if (s, 1) not in ranked and bubble_ratio(s, p.pp, p.microbatches, 1, schedule_costs(p.recompute)) is not None
     ]

@@ -109,7 +109,7 @@ def model_state_formula(
     )  # fmt: skip
     routed = stage_expert_params(expert_params, pp, stage_layers, moe_pattern)
     per_stage = []
-    for (split, whole), held in zip(rows, routed, strict=True):
+    for (split, whole), held in zip(rows, routed, strict=True) if stage is None else [(rows[stage], routed[stage])]:
         out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
         if expert_params:  # each stage's MoE layers hold their share of the experts
             experts = _sharded_states(held / ep, bytes_of, zero, tp * cp * dp // ep)
@@ -119,9 +119,7 @@ def model_state_formula(
             out["params"] += gathered
             out["grads"] += gathered
         per_stage.append(out)
-    if stage is not None:
-        return per_stage[stage]
-    return max(per_stage, key=lambda out: sum(out.values()))
+    return max(per_stage, key=lambda out: sum(out.values()))  # of one, with ``stage``
 
 
 def _check_states(params: float, zero: int, dp: int, tp: int, pp: int, expert_params: float, ep: int, cp: int) -> None:

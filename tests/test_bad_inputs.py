@@ -193,6 +193,14 @@ BAD = (
         (["memory", "--preset", "llama3-8b", "--hidden", "64"], "--preset gives the model's dims; drop --hidden"),
         (["memory", "--preset", "llama3-8b", "--pp", "4", "--chunks", "9"], "choose chunks of at most layers / pp"),
         (["memory", "--params", "7e9", "--precision", "bf16"], "invalid choice: 'bf16'"),
+        (["memory", "--preset", "llama3-8b", "--pp", "4", "--stage-layers", "7,9,9,8"], "add up to 33 layers, not 32"),
+        (["memory", "--preset", "llama3-8b", "--pp", "4", "--stage-layers", "7,9,16"], "give 3 stages, not 4"),
+        (["memory", "--preset", "llama3-8b", "--pp", "2", "--stage-layers", "0,32"], "needs at least one layer"),
+        (["memory", "--params", "7e9", "--pp", "2", "--stage-layers", "1,x"], "give whole numbers separated by"),
+        (
+            ["memory", *PLAN_405B[:2], "--pp", "16", "--chunks", "2", "--stage-layers", "7" + ",8" * 14 + ",7"],
+            "one model chunk",
+        ),
         (
             [
                 "memory",
@@ -228,7 +236,8 @@ BAD = (
         (["plan", "--gpus", "8", "--params", "1e15"], "plan: "),
         (["plan", "--gpus", "16384", "--params", "7e9"], "plan: no layout of 16384 GPUs"),
         (["plan", *PLAN_405B, "--schedule", "zb-v"], "ZB-V on PP 16 needs at least 31 microbatches per DP rank"),
-        (["plan", *PLAN_405B, "--schedule", "dualpipev", "--chunks", "2"], "DualPipeV fixes 2 chunks per rank"),
+        (["plan", *PLAN_405B, "--schedule", "dualpipev", "--chunks", "3"], "dualpipev holds 2 chunks per rank"),
+        (["plan", *PLAN_405B, "--schedule", "zb-h1", "--chunks", "2"], "need the interleaved schedule, not zb-h1"),
         (["plan", *PLAN_405B, "--global-batch", "4096", "--schedule", "zb-v", "--recompute", "full"], "no closed-form"),
         (["run", "dp", "--device", "tpu"], "invalid choice: 'tpu'"),
         *([(["run", "dp", "--device", "cuda"], "run dp: device 'cuda' needs a CUDA GPU")] if GPUS == 0 else []),

@@ -6,6 +6,8 @@ purpose the test says by how much and why. Then the four errors the comparison f
 failed before."""
 
 import dataclasses
+import json
+import re
 
 import pytest
 from reference_estimators import (
@@ -26,6 +28,7 @@ from course_lib.model.formulas import (
     stage_shape,
     transformer_params,
 )
+from course_lib.model.stages import stage_expert_params, stage_params
 from course_lib.planner.presets import make_model
 
 GPT_175B = {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "padded_vocab_size": 51200}
@@ -267,6 +270,74 @@ def test_memory_formula_takes_the_stages_from_the_layout():
     params = transformer_params(**BRIDGE_TOY, heads=4, ffn=64, tied=False, biases=False)["total"]
     got = memory_formula(params, "megatron", layout, seq=8, heads=4, ffn=64, tied=False, **BRIDGE_TOY)
     assert got["stage"] == "last" and states(got) == 89568
+
+
+def test_the_memory_command_shows_each_uneven_stage(tmp_path, capsys):
+    """``memory --stage-layers``: each stage's bytes, the busiest named; on Bridge's toy model (its parameter count,
+    untied, 8 layers) the last stage's states are Bridge's 9 x 9,952 bytes."""
+    from course_lib.cli import main
+
+    params = transformer_params(**BRIDGE_TOY, heads=4, ffn=64, tied=False, biases=False)["total"]
+    toy = ["--params", str(params), "--layers", "8", "--hidden", "16", "--vocab", "32", "--untied", "--ffn", "64"]
+    toy += ["--heads", "4", "--seq", "8", "--micro-batch", "2"]
+    out = tmp_path / "memory.json"
+    argv = ["memory", *toy, "--precision", "megatron", "--zero", "1", "--dp", "4", "--pp", "4"]
+    assert main([*argv, "--stage-layers", "1,2,2,3", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["stage_layers"] == [1, 2, 2, 3]
+    assert [s["stage"] for s in got["bytes_per_stage"]] == ["first", "stage 1", "stage 2", "last"]
+    assert states(got["bytes_per_stage"][3]) == 89568 and got["bytes_per_device"]["stage"] == "last"
+    text = capsys.readouterr().out
+    assert "bytes on the busiest GPU (the last pipeline stage)" in text
+    assert re.search(r"last +3 +0\.000 .*<- busiest", text)
+    # with the activations a middle stage can be the busiest, and is named so
+    dims = ["--params", "1e6", "--layers", "8", "--hidden", "4096", "--heads", "32", "--seq", "2048"]
+    assert main(["memory", *dims, "--pp", "4", "--stage-layers", "1,2,2,3"]) == 0
+    assert "bytes on the busiest GPU (pipeline stage 1)" in capsys.readouterr().out
+
+
+# Bridge's MoE test on the same stages (its test_moe_model_state_estimate_uses_layer_pattern_on_uneven_pipeline_stages,
+# NVIDIA-NeMo/Megatron-Bridge at 067f987): 2 routed experts of FFN 32 in the layers moe_layer_freq marks, no shared
+# expert, no router counted; a dense layer keeps its GELU MLP of 2 x 16 x 64 = 2,048 parameters.
+BRIDGE_MOE_PATTERN = (False, True, False, False, True, False, True, True)
+BRIDGE_DENSE_MLP = 2 * 16 * 64
+BRIDGE_EXPERTS = 4 * 2 * (2 * 16 * 32)  # 4 MoE layers of 2 experts
+
+
+def test_a_pattern_of_moe_layers_on_uneven_stages_equals_megatron_bridges():
+    """Bridge asserts 5,856 dense and 4,096 routed parameters on the heaviest stage: the last, layers 5 (dense), 6
+    and 7 (MoE): 3 x (1,024 attention + 64 norm) + 2,048 MLP + the final norm 32 + the 512 head; 2 x 2,048 experts.
+    Its distributed optimizer over DP 4 (and over the 4 expert-data-parallel ranks) makes 9 bytes a parameter."""
+    dense = transformer_params(**BRIDGE_TOY, heads=4, ffn=64, tied=False, biases=False)["total"]
+    dense -= BRIDGE_MOE_PATTERN.count(True) * BRIDGE_DENSE_MLP  # the MoE layers hold experts instead
+    shape = stage_shape(BRIDGE_TOY["vocab"], BRIDGE_TOY["hidden"], BRIDGE_TOY["layers"], tied=False)
+    pattern = {"moe_pattern": BRIDGE_MOE_PATTERN, "dense_mlp": BRIDGE_DENSE_MLP}
+    rows = stage_params(
+        dense, 4, shape["embedding_params"], False, shape["replicated_params"], BRIDGE_UNEVEN, shape["final_norm"],
+        **pattern,
+    )  # fmt: skip
+    assert [split + whole for split, whole in rows] == [3136 + 512, 4224, 4224, 5856]
+    assert stage_expert_params(BRIDGE_EXPERTS, 4, BRIDGE_UNEVEN, BRIDGE_MOE_PATTERN) == [0, 2048, 2048, 4096]
+    got = model_state_formula(
+        dense + BRIDGE_EXPERTS, "megatron", zero=1, dp=4, pp=4, expert_params=BRIDGE_EXPERTS,
+        stage_layers=BRIDGE_UNEVEN, **pattern, **shape,
+    )  # fmt: skip
+    assert states(got) == 9 * (5856 + 4096)
+    # Without the pattern every layer would hold the same share: the last stage 3/8 of the experts, 3,072.
+    spread = stage_expert_params(BRIDGE_EXPERTS, 4, BRIDGE_UNEVEN)
+    assert spread[-1] == 3072
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [((True,) * 7, "gives 7 layers a flag, not the model's 8"), ((False,) * 8, "has no MoE layer")],
+)
+def test_a_moe_pattern_that_does_not_fit_is_refused(pattern, words):
+    layout = Layout(pp=4, stage_layers=BRIDGE_UNEVEN)
+    with pytest.raises(ValueError, match=words):
+        memory_formula(
+            1e6, "mixed", layout, layers=8, seq=8, hidden=16, heads=4, expert_params=1e5, moe_pattern=pattern
+        )
 
 
 def test_an_uneven_middle_stage_can_hold_the_most_activations():

@@ -15,8 +15,16 @@ from course_lib.cli import main  # noqa: E402
 from course_lib.model.config import Layout  # noqa: E402
 from course_lib.planner.cost import flops_per_token, hardware_flops_per_token, layer_params  # noqa: E402
 from course_lib.planner.evaluate import evaluate_layout  # noqa: E402
-from course_lib.planner.layouts import describe, interleave_chunks, pipeline_schedules, splits_layers  # noqa: E402
+from course_lib.planner.layouts import (  # noqa: E402
+    describe,
+    interleave_chunks,
+    pipeline_schedules,
+    split_text,
+    splits_layers,
+    stage_splits,
+)
 from course_lib.planner.presets import PRESETS, make_model  # noqa: E402
+from course_lib.planner.reasons import format_bytes  # noqa: E402
 from course_lib.planner.search import plan  # noqa: E402
 
 
@@ -115,6 +123,7 @@ def test_planner_memory_is_the_memory_commands(capsys, model, gpus, kwargs):
         argv = ["memory", "--preset", m.name]
     argv += ["--micro-batch", str(p.micro_batch), "--precision", p.precision, "--zero", str(p.zero)]
     argv += ["--recompute", p.recompute, "--dp", str(p.dp), "--tp", str(p.tp), "--pp", str(p.pp)]
+    argv += ["--stage-layers", ",".join(map(str, p.stage_layers))] if p.stage_layers else []  # the chosen split
     got = run_json(capsys, *argv + (["--sp"] if p.tp > 1 else []))["bytes_per_device"]
     assert got.pop("stage") == p.memory["stage"]
     assert got == pytest.approx({k: v for k, v in p.memory.items() if k != "stage"}, rel=1e-12)
@@ -229,9 +238,11 @@ def test_full_recompute_counts_one_more_forward():
     full = Layout(tp=8, pp=8, dp=24, sp=True, recompute="full")
     c = evaluate_layout(m, 1536, full, lowest_fitting_zero=True, hardware="a100")
     assert c.hardware_flops / c.model_flops == pytest.approx(hardware_flops_per_token(m, "full") / flops_per_token(m))
-    assert c.hfu > c.mfu and c.time["compute_s"] > evaluate_layout(
-        m, 1536, full._replace(recompute="none"), lowest_fitting_zero=True
-    ).time["compute_s"]
+    assert (
+        c.hfu > c.mfu
+        and c.time["compute_s"]
+        > evaluate_layout(m, 1536, full._replace(recompute="none"), lowest_fitting_zero=True).time["compute_s"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -304,3 +315,64 @@ def test_the_search_costs_every_schedule_a_pipeline_can_run():
             assert c.chunks == 1 and c.microbatches >= c.pp
     assert interleave_chunks(126, 16, 16) == [2, 4, 8] and interleave_chunks(126, 16, 24) == []
     assert pipeline_schedules(96, 1, 8) == [("1f1b", 1)]
+
+
+# ------------------------------------------------------------------------------------------------ uneven stages
+def test_the_stage_splits_the_planner_tries():
+    """The even split, then the one that counts the embedding and the head as a layer each (L + 2 slots): BLOOM-176B's
+    70 layers on 12 stages as 5, 6, ..., 6, 5; Llama 3's 126 on 16 as 7, 8, ..., 8, 7; where it equals the even
+    split, leaves a stage empty or the schedule holds several chunks a rank, only the even one (the last stages a
+    layer short when the layers do not divide)."""
+    assert stage_splits(70, 12) == [(*[6] * 10, 5, 5), (5, *[6] * 10, 5)]
+    assert stage_splits(126, 16) == [(*[8] * 14, 7, 7), (7, *[8] * 14, 7)]
+    assert stage_splits(80, 8) == [(), (10, 11, 10, 10, 10, 10, 10, 9)]
+    assert stage_splits(4, 4) == [()] and stage_splits(6, 4) == [(2, 2, 1, 1), (1, 2, 2, 1)]  # (1, 2, 1, 0): empty
+    assert stage_splits(126, 16, "interleaved") == stage_splits(126, 16, "dualpipev") == stage_splits(126, 1) == [()]
+    assert split_text((7, *[8] * 14, 7)) == "7,8,...,8,7" and split_text((1, 2, 2, 3)) == "1,2,2,3"
+
+
+@pytest.fixture(scope="module")
+def llama_405b():
+    return plan("llama3-405b", gpus=16384)
+
+
+def test_llama3_405b_takes_llamas_own_split_and_says_why(llama_405b):
+    """Llama 3 405B on its 16,384 GPUs: the planner's layout is as before (TP 8 x PP 16 x DP 128, ZeRO-2, ZB-H1),
+    now with Llama 3's own split, 7, 8, ..., 8, 7 (§3.3.2): the even split, 8 layers on the first 14 stages, puts
+    16 microbatches of 8 layers on the first stage and does not fit; the balanced one's busiest is stage 1, 15 of 8.
+    The step time is the same (the last stage, 7 layers and the head, is no slower), so memory decides."""
+    p = llama_405b
+    assert (describe(p), p.stage_layers) == ("TP 8 x PP 16 x DP 128, ZeRO-2, ZB-H1", (7, *[8] * 14, 7))
+    even = evaluate_layout("llama3-405b", 16384, p.layout._replace(stage_layers=stage_splits(126, 16)[0]))
+    assert not even.fits and even.memory["stage"] == "first" and p.fits and p.memory["stage"] == "stage 1"
+    assert even.step_time_s == p.step_time_s and p.memory_per_gpu_bytes < even.memory_per_gpu_bytes
+    why = (
+        "Stages 7,8,...,8,7: the embedding and the head take a layer's place on the first and last stage (as BLOOM "
+        f"and Llama 3 split theirs), so the busiest stage (stage 1) holds {format_bytes(p.memory_per_gpu_bytes)} "
+        f"instead of {format_bytes(even.memory_per_gpu_bytes)} with 8,8,...,7,7, which does not fit."
+    )
+    assert any(why in reason for reason in p.reasons)
+
+
+def test_the_balanced_split_is_kept_only_when_it_saves():
+    """Llama 3 70B at TP 8 x PP 8 (1F1B): 82 slots leave 11 layers on the second stage, slower than the even 10
+    and no lighter (the first stage keeps 8 microbatches of 10 layers either way): the even split stays."""
+    model, layout = "llama3-70b", Layout(tp=8, pp=8, dp=16, zero=1, sp=True)
+    balanced = evaluate_layout(model, 1024, layout._replace(stage_layers=stage_splits(80, 8)[1]))
+    even = evaluate_layout(model, 1024, layout)
+    assert balanced.step_time_s > even.step_time_s
+    assert even.memory_per_gpu_bytes == balanced.memory_per_gpu_bytes or balanced.memory["stage"] == "first"
+    p = plan(model, gpus=1024, gpus_per_node=8)
+    assert not any(c.stage_layers for c in p.candidates if (c.tp, c.pp, c.schedule) == (8, 8, "1f1b"))
+    # at TP 2 the 128K-row head outweighs a layer: the balanced split's last stage, 9 layers and the head, is faster
+    assert all(c.stage_layers for c in p.candidates if (c.tp, c.pp, c.schedule) == (2, 8, "1f1b"))
+
+
+def test_plan_takes_a_given_split(capsys):
+    argv = ["plan", "--preset", "llama3-405b", "--gpus", "16384", "--tp", "8", "--pp", "16", "--dp", "128"]
+    argv += ["--zero", "2", "--schedule", "zb-h1", "--stage-layers", "7" + ",8" * 14 + ",7"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stages of 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7 layers" in out and "(on pipeline stage 1, the busiest" in out
+    with pytest.raises(SystemExit, match="uneven stages give each rank one stage"):
+        main([*argv[:-4], "--schedule", "interleaved", "--chunks", "2", *argv[-2:]])

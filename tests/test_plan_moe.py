@@ -333,3 +333,15 @@ def test_bad_expert_and_context_inputs_are_one_line(capsys, argv, message):
         main(argv)
     said = str(exit_info.value.code) if isinstance(exit_info.value.code, str) else capsys.readouterr().err
     assert message in said and "Traceback" not in said
+
+
+def test_a_v_schedule_takes_chunks_2_as_it_holds_them(deepseek):
+    """``plan --schedule dualpipev --chunks 2`` is the V's own 2 chunks a rank, as ``run`` and ``schedule`` take it
+    (issue 38 item 4): the same estimate as without chunks; other counts are refused as the schedules refuse them."""
+    args = {"gpus": 2048, "hardware": "h800"}
+    layout = deepseek.layout
+    assert layout.schedule == "dualpipev"
+    two = evaluate_layout("deepseek-v3", layout=layout._replace(chunks=2), **args)
+    assert two.chunks == 1 and two.step_time_s == evaluate_layout("deepseek-v3", layout=layout, **args).step_time_s
+    with pytest.raises(ValueError, match=r"dualpipev holds 2 chunks per rank, in a V .* leave out --chunks 3"):
+        evaluate_layout("deepseek-v3", layout=layout._replace(chunks=3), **args)

@@ -119,6 +119,18 @@ def _number(text: str, kind: type, least: float, strict: bool) -> float:
     return value
 
 
+def refusing(kind: Callable[[str], object]) -> Callable[[str], object]:
+    """``kind`` as an argparse type whose ValueError message reaches the user (argparse would print its own)."""
+
+    def parse(text: str) -> object:
+        try:
+            return kind(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
 def positive_int(text: str) -> int:
     return _number(text, int, 0, strict=True)
 

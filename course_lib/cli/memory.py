@@ -11,6 +11,7 @@ from course_lib.cli.common import (
     natural,
     param_count,
     positive_int,
+    refusing,
     say,
     token_count,
     write_json,
@@ -18,6 +19,7 @@ from course_lib.cli.common import (
 from course_lib.ledgers.categories import CATEGORIES
 from course_lib.model.config import RECOMPUTE_MODES
 from course_lib.model.formulas import memory_formula, transformer_params
+from course_lib.parallel.catalog import STAGE_LAYERS, layer_counts
 
 EXPERT_FLAGS = ("top_k", "expert_ffn", "shared_experts", "dense_layers")
 
@@ -47,7 +49,12 @@ def _experts(args: argparse.Namespace) -> dict:
         experts.check(args.layers, args.ep)
     except ValueError as err:
         raise SystemExit(f"memory: {err}") from None
-    return {"expert_params": experts.routed_params(args.layers, args.hidden), "ffn": experts.token_ffn}
+    return {
+        "expert_params": experts.routed_params(args.layers, args.hidden),
+        "ffn": experts.token_ffn,
+        "moe_pattern": experts.pattern(args.layers),
+        "dense_mlp": experts.dense_mlp(args.hidden, args.ffn or 4 * args.hidden, args.swiglu),
+    }
 
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads")  # what --preset gives
@@ -114,12 +121,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         attention=args.attention,
         micro_batch=args.micro_batch,
+        stage_layers=args.stage_layers or (),
     )
     axes = {axis: getattr(layout, axis) for axis in ("dp", "tp", "pp", "cp", "ep")}
     try:
         result = memory_formula(params, args.precision, layout, **shape)
     except ValueError as err:
         raise SystemExit(f"memory: {err}") from None
+    stages = [memory_formula(params, args.precision, layout, **shape, stage=i) for i in range(args.pp)]
     data = {
         "model": name,
         "params": params,
@@ -130,6 +139,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         "attention": args.attention,
         "bytes_per_device": result,
     }
+    if layout.stage_layers:
+        data |= {"stage_layers": list(layout.stage_layers), "bytes_per_stage": stages}
     write_json(data, args.json)
     shown = {k: v for k, v in axes.items() if k in ALWAYS_SHOWN_AXES or v > 1}  # cp and ep where they split
     experts = f" ({shape['expert_params']:,.0f} in routed experts)" if shape.get("expert_params") else ""
@@ -138,10 +149,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
         f"{name}: {params:,.0f} parameters{experts}, {args.precision}, ZeRO-{args.zero}, "
         + " ".join(f"{k}={v}" for k, v in shown.items()),
     )
-    stage = {"all": "", "first": " (the first pipeline stage)", "last": " (the last pipeline stage)"}
-    say(args, f"  bytes on the busiest GPU{stage[result['stage']]}:")
+    where = {"all": "", "first": " (the first pipeline stage)", "last": " (the last pipeline stage)"}
+    say(args, f"  bytes on the busiest GPU{where.get(result['stage'], ' (pipeline ' + result['stage'] + ')')}:")
     for key in (*CATEGORIES, "activations", "total"):
         say(args, f"  {key:<12} {result[key] / 1e9:12.3f} GB")
+    if layout.stage_layers:
+        _say_stages(args, layout.stage_layers, stages, result["stage"])
     if "layers" not in shape:
         say(args, "  (activations need --layers, --hidden, --heads and --seq)")
     say(args, f"  bytes per parameter: {PRECISIONS[args.precision].source}")
@@ -150,6 +163,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.precision in REFERENCE_NOTES:
         say(args, f"  against the reference: {REFERENCE_NOTES[args.precision]}")
     return 0
+
+
+def _say_stages(args: argparse.Namespace, counts: tuple[int, ...], stages: list[dict], busiest: str) -> None:
+    """Each pipeline stage's layers and bytes (model states, activations, total), the busiest one marked."""
+    say(args, "  each pipeline stage (GB):   layers   states   activations   total")
+    for n, got in zip(counts, stages, strict=True):
+        states = sum(got[k] for k in CATEGORIES)
+        mark = "  <- busiest" if got["stage"] == busiest else ""
+        say(
+            args,
+            f"  {got['stage']:<26} {n:>6} {states / 1e9:8.3f} {got['activations'] / 1e9:13.3f} "
+            f"{got['total'] / 1e9:7.3f}{mark}",
+        )
 
 
 REFERENCE_NOTES = {  # where we differ from the estimator a convention is named after (tests/test_memory_references.py)
@@ -214,6 +240,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
         mem.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{what} parallel degree (default 1)")
     mem.add_argument("--chunks", type=positive_int, default=1, help="interleaved pipeline: model chunks per stage")
+    mem.add_argument(STAGE_LAYERS.cli_flag, type=refusing(layer_counts), help=STAGE_LAYERS.help)
     mem.add_argument("--cp", type=positive_int, default=1, help="context parallel: the sequence split over cp ranks")
     mem.add_argument("--ep", type=positive_int, default=1, help="expert parallel (with --experts), within tp*cp*dp")
     mem.add_argument("--experts", type=positive_int, help="routed experts per MoE layer (a mixture of experts)")

@@ -12,13 +12,16 @@ from course_lib.cli.common import (
     param_count,
     positive_float,
     positive_int,
+    refusing,
     say,
     token_count,
     write_json,
 )
 from course_lib.model.config import RECOMPUTE_MODES
+from course_lib.parallel.catalog import STAGE_LAYERS, layer_counts
 
-LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "recompute", "attention", "no_sp")
+LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "stage_layers", "recompute", "attention")
+LAYOUT_FLAGS += ("no_sp",)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -58,7 +61,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     say(
         args,
         f"  choice: {describe(result)}, {result.microbatches} microbatches of {result.micro_batch} per DP rank"
-        + (", selective recompute" if result.recompute != "none" else ""),
+        + (", selective recompute" if result.recompute != "none" else "")
+        + _stages(result.stage_layers),
     )
     say(
         args,
@@ -79,6 +83,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"step {c.step_time_s:.3g} s   MFU {c.mfu:.1%}{mark}",
         )
     return 0
+
+
+def _busiest(stage: str) -> str:
+    """Where the busiest GPU of a pipeline sits and what it holds."""
+    if stage in ("first", "last"):
+        return f"on the {stage} pipeline stage, the busiest: its layers and one embedding matrix"
+    return f"on pipeline {stage}, the busiest: its layers"
+
+
+def _stages(counts: tuple[int, ...]) -> str:
+    """The layers of each pipeline stage when the layout gives them (empty: the even split)."""
+    return f"; stages of {','.join(map(str, counts))} layers" if counts else ""
 
 
 def _say_model(
@@ -123,6 +139,7 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
         recompute=args.recompute or "none",
         attention=args.attention or "flash",
         micro_batch=args.micro_batch,
+        stage_layers=args.stage_layers or (),
     )
     c = evaluate_layout(
         model,
@@ -143,13 +160,14 @@ def _plan_layout(args: argparse.Namespace, model) -> int:
         args,
         f"  layout: {describe(c)}; {c.microbatches} microbatches of {args.micro_batch} per DP rank, "
         f"{'no' if c.recompute == 'none' else c.recompute} recompute, {c.attention} attention"
-        + (", sequence parallel" if c.sp else ""),
+        + (", sequence parallel" if c.sp else "")
+        + _stages(c.stage_layers),
     )
     parts = ", ".join(f"{k} {c.memory[k] / 1e9:.3g}" for k in ("params", "grads", "optimizer", "activations"))
     verdict = "fits" if c.fits else f"does not fit, {(c.memory_per_gpu_bytes - gpu_mem) / 1e9:.1f} GB over"
     say(args, f"  memory per GPU {c.memory_per_gpu_bytes / 1e9:.1f} GB of {gpu_mem / 1e9:.4g} GB ({parts}): {verdict}")
     if c.memory["stage"] != "all":
-        say(args, f"    (on the {c.memory['stage']} pipeline stage, the busiest: its layers and one embedding matrix)")
+        say(args, f"    ({_busiest(c.memory['stage'])})")
     t = c.time
     say(
         args,
@@ -229,7 +247,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         given.add_argument(f"--{axis}", type=positive_int, help=f"{what} parallel degree")
     given.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="default: the lowest stage that fits")
     given.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help="pipeline schedule (default 1f1b)")
-    given.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved")
+    given.add_argument(
+        "--chunks", type=positive_int, help="model chunks per pipeline rank (v), interleaved; zb-v and dualpipev hold 2"
+    )
+    given.add_argument(STAGE_LAYERS.cli_flag, type=refusing(layer_counts), help=STAGE_LAYERS.help)
     given.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute (default none)")
     given.add_argument("--attention", choices=["flash", "materialized"], help="attention kernel (default flash)")
     given.add_argument("--no-sp", action="store_true", help="no sequence parallelism with TP")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from course_lib.cli.common import (
@@ -15,6 +14,7 @@ from course_lib.cli.common import (
     nonnegative_float,
     positive_float,
     positive_int,
+    refusing,
     save_plots,
     say,
     write_json,
@@ -171,20 +171,8 @@ def _scheme_flags(groups: dict[str, argparse._ArgumentGroup], schemes: dict[str,
                 flag, dest=flag, type=option.kind, choices=option.choices, default=argparse.SUPPRESS, help=text
             )
         else:
-            parse = {int: positive_int, float: positive_float}.get(kind) or _refusing(kind)
+            parse = {int: positive_int, float: positive_float}.get(kind) or refusing(kind)
             parser.add_argument(flag, dest=flag, type=parse, metavar=metavar, default=argparse.SUPPRESS, help=text)
-
-
-def _refusing(kind: Callable[[str], object]) -> Callable[[str], object]:
-    """``kind`` as an argparse type whose ValueError message reaches the user (argparse would print its own)."""
-
-    def parse(text: str) -> object:
-        try:
-            return kind(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    return parse
 
 
 def _fault(args) -> Fault | None:

@@ -25,6 +25,14 @@ from course_lib.model.config import (
     check_recompute,
     precision_of,
 )
+from course_lib.model.stages import (
+    check_moe_pattern,
+    check_stage_layers,
+    stage_expert_params,
+    stage_name,
+    stage_params,
+    stage_shape,
+)
 
 # The most parameters the formulas take: a thousand times the largest models trained with a published size (a
 # trillion or two: Switch-C's 1.6T, Kimi K2's 1T), so that a slip of the exponent gets no number for a model that
@@ -39,68 +47,6 @@ def check_params(params: float) -> None:
             f"{params:g} parameters: the course's formulas take at most {MAX_PARAMS:.0e} (a thousand times the "
             "largest model trained); give the parameter count of a model that could be built"
         )
-
-
-def stage_params(
-    dense: float,
-    pp: int,
-    embedding: float = 0.0,
-    tied: bool = True,
-    replicated: float = 0.0,
-    stage_layers: tuple[int, ...] = (),
-    final_norm: float = 0.0,
-) -> list[tuple[float, float]]:
-    """Dense parameters of each pipeline stage, first to last: (those tensor parallelism splits, those every TP
-    rank keeps whole). The first stage also holds the input embedding (``embedding`` = V x h) and the last the
-    output head, its own matrix when untied or a copy of the embedding when tied (Megatron-LM keeps one to sum
-    their gradients), so with ``pp`` > 1 each end stage holds its layers plus one V x h matrix, and with ``pp`` = 1
-    the one stage holds both matrices when untied.
-
-    Even stages (``stage_layers`` empty) share the layers and the ``replicated`` weights (LayerNorm) evenly, as
-    Megatron-LM's ``theoretical_memory_usage.py`` does; for a large vocabulary the end stages are well above an even
-    split (Llama-3-8B at PP 4: 2.27B against 2.01B). Uneven stages (``stage_layers``, the layers of each stage)
-    hold their layers' share of both, the ``final_norm`` (part of ``replicated``) on the last stage, as
-    Megatron-Bridge's estimator counts them (its PP 4 test with layers (1, 2, 2, 3): 9,952 on the last stage)."""
-    matrices = 1 if tied else 2
-    layers = dense - matrices * embedding - replicated
-    if layers < 0:
-        raise ValueError(
-            f"the embeddings ({matrices} x {embedding:g}) and replicated weights ({replicated:g}) are more than the "
-            f"{dense:g} dense parameters: check the vocabulary and the parameter count"
-        )
-    if pp == 1:
-        return [(layers + matrices * embedding, replicated)]
-    counts, final = stage_layers or (1,) * pp, final_norm if stage_layers else 0.0
-    total = sum(counts)
-    return [
-        (layers * n / total + embedding * (i in (0, pp - 1)), (replicated - final) * n / total + final * (i == pp - 1))
-        for i, n in enumerate(counts)
-    ]
-
-
-def check_stage_layers(pp: int, stage_layers: tuple[int, ...], layers: int | None = None) -> None:
-    """Refuse uneven stages that are not one positive count of layers per pipeline stage (adding up to ``layers``
-    when it is known), saying why."""
-    if not stage_layers:
-        return
-    if len(stage_layers) != pp or min(stage_layers) < 1:
-        raise ValueError(
-            f"stage_layers {tuple(stage_layers)} must give each of the {pp} pipeline stages at least one layer"
-        )
-    if layers is not None and sum(stage_layers) != layers:
-        raise ValueError(f"stage_layers {tuple(stage_layers)} add up to {sum(stage_layers)} layers, not {layers}")
-
-
-def stage_shape(vocab: int, hidden: int, layers: int, tied: bool = True, norm: str = "layernorm") -> dict:
-    """:func:`model_state_formula`'s keywords for where the parameters sit (:func:`stage_params`): the V x h
-    embedding, tied or not, and the norm weights every TP rank keeps (two per layer and a final one, which uneven
-    stages put on the last)."""
-    return {
-        "embedding_params": vocab * hidden,
-        "tied": tied,
-        "replicated_params": (2 * layers + 1) * NORMS[norm] * hidden if layers else 0,
-        "final_norm": NORMS[norm] * hidden if layers else 0,
-    }
 
 
 def model_state_formula(
@@ -120,6 +66,8 @@ def model_state_formula(
     largest_layer: float = 0.0,
     stage_layers: tuple[int, ...] = (),
     final_norm: float = 0.0,
+    moe_pattern: tuple[bool, ...] = (),
+    dense_mlp: float = 0.0,
     stage: int | None = None,
 ) -> dict[str, float]:
     """Predicted model-state bytes on the busiest device for ``params`` parameters, ``expert_params`` of them in
@@ -146,9 +94,36 @@ def model_state_formula(
     carved out of a stage's ``tp * cp * dp`` ranks, so each expert is replicated over the *expert-data-parallel*
     group of ``tp * cp * dp / ep`` ranks, and that is the group ZeRO shards expert states over (Megatron-core's
     MoE "parallel folding", Liu et al. 2025, §3; DeepSpeed-MoE's expert-data-parallel groups; DeepSeek-V3's 2,048
-    GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2).
+    GPUs as PP 16 x EP 64 leave 2 replicas of each expert for its ZeRO-1, §3.2). With uneven stages and a
+    ``moe_pattern`` (which layers are MoE, ``dense_mlp`` the parameters a dense layer's MLP holds beyond an MoE
+    layer's outside its experts) each stage holds its own layers' dense parameters and experts
+    (:func:`stage_params`, :func:`stage_expert_params`).
     """
     bytes_of = precision_of(precision)
+    _check_states(params, zero, dp, tp, pp, expert_params, ep, cp)
+    check_stage_layers(pp, stage_layers)
+    check_moe_pattern(moe_pattern, sum(stage_layers) if stage_layers else None, expert_params)
+    rows = stage_params(
+        params - expert_params, pp, embedding_params, tied, replicated_params, stage_layers, final_norm,
+        moe_pattern, dense_mlp,
+    )  # fmt: skip
+    routed = stage_expert_params(expert_params, pp, stage_layers, moe_pattern)
+    per_stage = []
+    for (split, whole), held in zip(rows, routed, strict=True) if stage is None else [(rows[stage], routed[stage])]:
+        out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
+        if expert_params:  # each stage's MoE layers hold their share of the experts
+            experts = _sharded_states(held / ep, bytes_of, zero, tp * cp * dp // ep)
+            out = {cat: out[cat] + experts[cat] for cat in CATEGORIES}
+        if zero == 3 and dp * cp > 1:
+            gathered = bytes_of.params * largest_layer / tp
+            out["params"] += gathered
+            out["grads"] += gathered
+        per_stage.append(out)
+    return max(per_stage, key=lambda out: sum(out.values()))  # of one, with ``stage``
+
+
+def _check_states(params: float, zero: int, dp: int, tp: int, pp: int, expert_params: float, ep: int, cp: int) -> None:
+    """Refuse degrees, a ZeRO stage or experts :func:`model_state_formula` cannot take, saying what to change."""
     check_params(params)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero!r}")
@@ -164,23 +139,6 @@ def model_state_formula(
             f"the expert-parallel group is carved out of a stage's tp x cp x dp = {tp * cp * dp} ranks: ep {ep} "
             f"does not divide it; choose an ep that does"
         )
-    check_stage_layers(pp, stage_layers)
-    rows = stage_params(params - expert_params, pp, embedding_params, tied, replicated_params, stage_layers, final_norm)
-    counts = stage_layers or (1,) * pp
-    per_stage = []
-    for (split, whole), n in zip(rows, counts, strict=True):
-        out = _sharded_states(split / tp + whole, bytes_of, zero, dp * cp)
-        if expert_params:  # each stage's layers hold their share of the experts
-            experts = _sharded_states(expert_params * n / (ep * sum(counts)), bytes_of, zero, tp * cp * dp // ep)
-            out = {cat: out[cat] + experts[cat] for cat in CATEGORIES}
-        if zero == 3 and dp * cp > 1:
-            gathered = bytes_of.params * largest_layer / tp
-            out["params"] += gathered
-            out["grads"] += gathered
-        per_stage.append(out)
-    if stage is not None:
-        return per_stage[stage]
-    return max(per_stage, key=lambda out: sum(out.values()))
 
 
 def _sharded_states(params: float, precision: Precision, zero: int, zero_group: int) -> dict[str, float]:
@@ -320,20 +278,26 @@ def memory_formula(
     swiglu: bool = False,
     norm: str = "layernorm",
     largest_layer: float | None = None,
+    moe_pattern: tuple[bool, ...] = (),
+    dense_mlp: float = 0.0,
+    stage: int | None = None,
 ) -> dict[str, float]:
     """Bytes on the busiest device of ``layout``: model states (:func:`model_state_formula`) and, when the dims are
     given, activations (:func:`stage_activations`), of the pipeline stage whose states and activations add up to
-    the most, and ``stage``, which one that is (:func:`stage_name`). Of the layout, the degrees, ZeRO stage, model
-    chunks per stage, sequence parallelism, recompute mode, attention kernel, micro-batch size and uneven stages
-    (``stage_layers``) count; the schedule is 1F1B's or the interleaved one's (``chunks`` > 1).
+    the most (or of ``stage``, counted from 0), and ``stage``, which one that is (:func:`stage_name`). Of the
+    layout, the degrees, ZeRO stage, model chunks per stage, sequence parallelism, recompute mode, attention kernel,
+    micro-batch size and uneven stages (``stage_layers``) count; the schedule is 1F1B's or the interleaved one's
+    (``chunks`` > 1).
 
     With the ``vocab`` and ``hidden`` known, the busiest stage holds one V x h embedding matrix beside its layers
     (two on a single stage when untied), every TP rank keeps the ``norm`` weights whole (LayerNorm 2h, RMSNorm h, two
     per layer and a final one), and ZeRO-3's floor is the largest layer: the embedding or an MLP matrix
     (``largest_layer`` to give it). ``ffn``: the MLP width a token's activations pass through (4h by default);
-    ``expert_params``: the parameters in routed experts.
+    ``expert_params``: the parameters in routed experts, on uneven stages in the MoE layers of ``moe_pattern``
+    (:func:`model_state_formula`).
     """
     _check_shape(layout, layers, seq, hidden, heads, kv_heads, norm)
+    check_moe_pattern(moe_pattern, layers, expert_params)
     shape = {}
     if vocab is not None and hidden is not None:
         shape = stage_shape(vocab, hidden, layers or 0, tied, norm)
@@ -343,7 +307,7 @@ def memory_formula(
     per_stage = [
         model_state_formula(
             params, precision, *degrees, largest_layer=largest_layer or 0.0, stage_layers=layout.stage_layers,
-            stage=i, **shape,
+            moe_pattern=moe_pattern, dense_mlp=dense_mlp, stage=i, **shape,
         )
         for i in range(layout.pp)
     ]  # fmt: skip
@@ -353,6 +317,7 @@ def memory_formula(
             layout, layers, seq, hidden, heads, vocab, ffn=ffn, kv_heads=kv_heads, swiglu=swiglu
         )
     busiest = max(range(layout.pp), key=lambda i: sum(per_stage[i].values()) + activations[i])
+    busiest = busiest if stage is None else stage
     out = per_stage[busiest] | {"activations": activations[busiest], "stage": stage_name(busiest, layout.pp)}
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
     return out
@@ -398,13 +363,6 @@ def _check_shape(
             f"the interleaved schedule cuts each stage's {math.ceil(layers / pp)} layers into {chunks} model chunks "
             f"of at least one layer: choose chunks of at most layers / pp"
         )
-
-
-def stage_name(stage: int, pp: int) -> str:
-    """A pipeline stage in words: ``all`` without a pipeline, ``first``, ``last``, or ``stage i`` (from 0)."""
-    if pp == 1:
-        return "all"
-    return "first" if stage == 0 else "last" if stage == pp - 1 else f"stage {stage}"
 
 
 def stage_activations(

@@ -107,6 +107,16 @@ def embedding_ranks(schedule: str, p: int, chunks: int = 1) -> list[int]:
     return sorted({0, stage_owner(schedule, chunks_per_rank(schedule, chunks) * p - 1, p)[0]})
 
 
+def check_v_chunks(schedule: str, chunks: int) -> None:
+    """Refuse chunks a V-shaped schedule does not hold: it fixes 2 a rank (ZB-V, Qi et al. 2023, §6; DualPipeV, as
+    PyTorch's ``ScheduleDualPipeV`` takes 2 stages a rank), so 1 (the default) or 2."""
+    if schedule in V_SHAPED and chunks not in (1, 2):
+        raise ValueError(
+            f"{schedule} holds 2 chunks per rank, in a V (rank r holds stages r and 2p-1-r): give --chunks 2 or "
+            f"leave out --chunks {chunks}"
+        )
+
+
 def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
     """Refuse, before any rank starts, a schedule that cannot run with these sizes."""
     if schedule not in SCHEDULES:
@@ -120,11 +130,7 @@ def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> 
             f"{cells:,} forward passes to lay out; the course's tables stop at {MAX_CELLS:,} (about a second to build "
             "and check). The bubble formulas hold for any size: use fewer stages or microbatches to see the table."
         )
-    if schedule in V_SHAPED and chunks not in (1, 2):
-        raise ValueError(
-            f"{schedule} holds 2 chunks per rank, in a V (rank r holds stages r and 2p-1-r): give --chunks 2 or "
-            f"leave out --chunks {chunks}"
-        )
+    check_v_chunks(schedule, chunks)
     if chunks > 1 and schedule not in ("interleaved", *V_SHAPED):
         raise ValueError(f"--chunks {chunks} needs the interleaved schedule, not {schedule!r}")
     if schedule == "dualpipev" and microbatches < 2 * stages:

@@ -7,14 +7,13 @@ Narayanan et al. 2021, §2.2, §3.3, §5.1; Korthikanti et al. 2022, §4-5; the 
 
 from __future__ import annotations
 
-import math
 from functools import cache
 
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile
 from course_lib.model.config import BYTES_PER_PARAM, Layout
 from course_lib.parallel.schedules import Costs, bubble_ratio, chunks_per_rank
-from course_lib.planner.layouts import Candidate, groups
+from course_lib.planner.layouts import Candidate, even_counts, groups
 from course_lib.planner.presets import Model
 
 PEAK = {"mixed": "bf16", "fp32": "fp32"}  # which peak of the hardware profile a precision computes at
@@ -131,20 +130,21 @@ def head_seconds(model: Model, c: Candidate, micro_batch: int, profile: Hardware
     return 6 * model.hidden * model.vocab * tokens / _rate(profile, precision, profile.matmul_efficiency)
 
 
-def stage_layers(model: Model, pp: int) -> tuple[int, int]:
-    """Layers of a full stage, ceil(L/p), and of the last stage: one fewer when the layers do not split evenly
-    (:func:`~course_lib.planner.layouts.splits_layers`: Llama 3's last stage holds the head instead of a layer,
-    §3.3.2)."""
-    full = math.ceil(model.layers / pp)
-    return full, full - (pp * full > model.layers)
+def stage_counts(model: Model, c: Candidate) -> list[int]:
+    """The layers of each pipeline stage: the candidate's ``stage_layers``, or as even as they go, ceil(L/p) with
+    the last stages a layer short (:func:`~course_lib.planner.layouts.even_counts`; Llama 3's last stage holds the
+    head instead of a layer, §3.3.2)."""
+    return list(c.stage_layers) or even_counts(model.layers, c.pp)
 
 
 def stage_seconds(model: Model, c: Candidate, micro_batch: int, profile: HardwareProfile, precision: str) -> float:
-    """One microbatch's compute on the slowest stage: a full stage's layers, or the last stage's with the output
-    head (:func:`head_seconds`), whichever is longer; every stage runs at the slowest one's pace."""
-    full, last = stage_layers(model, c.pp)
+    """One microbatch's compute on the slowest stage: each stage's layers (:func:`stage_counts`), the last with the
+    output head (:func:`head_seconds`); every stage runs at the slowest one's pace. The input embedding is a
+    lookup, not timed."""
+    counts = stage_counts(model, c)
     layer = layer_seconds(model, c, micro_batch, profile, precision)
-    return max(full * layer, last * layer + head_seconds(model, c, micro_batch, profile, precision))
+    head = head_seconds(model, c, micro_batch, profile, precision)
+    return max(n * layer + head * (i == len(counts) - 1) for i, n in enumerate(counts))
 
 
 def schedule_costs(recompute: str) -> Costs:
@@ -162,7 +162,7 @@ def tp_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float
         return 0.0
     size = 2 * micro_batch * model.seq / c.cp * model.hidden
     one = net.time("all_reduce", groups(c.tp, c.pp, c.dp, c.cp, c.ep)["tp"], size)
-    return (4 + 2 * RECOMPUTE_PASSES[c.recompute]) * stage_layers(model, c.pp)[0] * c.microbatches * one
+    return (4 + 2 * RECOMPUTE_PASSES[c.recompute]) * max(stage_counts(model, c)) * c.microbatches * one
 
 
 def pp_comm(model: Model, c: Candidate, micro_batch: int, net: Network) -> float:

@@ -12,7 +12,15 @@ from course_lib.cluster.profiles import HardwareProfile, get_profile
 from course_lib.cluster.topology import Topology, check_gpus, for_gpus, modeled
 from course_lib.model.config import Layout, check_attention, check_recompute
 from course_lib.model.formulas import memory_formula
-from course_lib.parallel.schedules import PIPELINE_SCHEDULES, bubble_formula, bubble_ratio, peak_activations
+from course_lib.model.stages import check_stage_layers
+from course_lib.parallel.schedules import (
+    PIPELINE_SCHEDULES,
+    V_SHAPED,
+    bubble_formula,
+    bubble_ratio,
+    check_v_chunks,
+    peak_activations,
+)
 from course_lib.planner.cost import (
     PEAK,
     flops_per_token,
@@ -28,6 +36,7 @@ from course_lib.planner.layouts import (
     groups,
     schedule_name,
     splits_layers,
+    stage_splits,
     v_schedules,
 )
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model, as_model
@@ -49,19 +58,32 @@ def evaluate(
     """Memory (:func:`memory_formula`, TP with SP where the layout asks for it and TP splits, experts over EP,
     activations over CP and for an interleaved schedule's chunks), bubble, step time, FLOPs and their rate, and
     placement of one layout."""
-    # the stage split (stage_layers) reaches memory_formula with the layout
-    tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp, recompute, attention, micro_batch, _ = layout
+    tp, pp, dp, zero, m, cp, ep, schedule, chunks, sp, recompute, attention, micro_batch, stage_layers = layout
     sp = sp and tp > 1
     memory = memory_formula(model.params, precision, layout._replace(sp=sp), **model.memory_shape())
     _schedule_activations(memory, schedule, pp, m)
     c = Candidate(tp, pp, dp, zero, m, recompute, memory["total"] <= gpu_mem, memory["total"], 0.0, 0.0, memory)
     c.cp, c.ep, c.schedule, c.chunks, c.attention, c.sp = cp, ep, schedule, chunks, attention, sp
+    c.stage_layers = stage_layers
     c.bubble_fraction = bubble_formula(schedule, pp, m, chunks, schedule_costs(recompute)) if pp > 1 else 0.0
     c.time = step_time(model, c, micro_batch, net, precision)
     c.step_time_s = sum(c.time.values())
     _throughput(model, c, gpus, global_batch, net.profile, precision)
     c.placement = placement(c, net)
     return c
+
+
+def evaluate_splits(
+    model: Model, layout: Layout, gpus: int, net: Network, gpu_mem: float, global_batch: int, precision: str
+) -> Candidate:
+    """:func:`evaluate` with each stage split the layout can take (:func:`stage_splits`: the even one, and the one
+    that counts the embedding and the head as layers), keeping the even split unless the other fits where it does
+    not, or is faster, or as fast with less memory on its busiest stage."""
+    tried = [
+        evaluate(model, layout._replace(stage_layers=split), gpus, net, gpu_mem, global_batch, precision)
+        for split in stage_splits(model.layers, layout.pp, layout.schedule)
+    ]
+    return min(tried, key=lambda c: (not c.fits, c.step_time_s, c.memory_per_gpu_bytes))
 
 
 def _schedule_activations(memory: dict, schedule: str, pp: int, m: int) -> None:
@@ -146,6 +168,8 @@ def evaluate_layout(
     check_settings(gpus, net.domain, batch, layout.micro_batch, precision)
     check_layout(model, gpus, layout, batch)
     layout = layout._replace(microbatches=batch // (layout.dp * layout.micro_batch))
+    if layout.schedule in V_SHAPED:  # its 2 chunks a rank are the V's own: chunks stays 1 for the formulas
+        layout = layout._replace(chunks=1)
     zeros = _zero_stages(layout) if lowest_fitting_zero else [layout.zero]
     gpu_mem = gpu_mem_bytes or profile.memory_bytes
     tried = [evaluate(model, layout._replace(zero=z), gpus, net, gpu_mem, batch, precision) for z in zeros]
@@ -179,6 +203,12 @@ def check_layout(model: Model, gpus: int, layout: Layout, global_batch: int) -> 
         )
     _check_schedule(model, layout, m)
     pp, schedule, chunks = layout.pp, layout.schedule, layout.chunks
+    check_stage_layers(pp, layout.stage_layers, model.layers)
+    if layout.stage_layers and schedule not in ("1f1b", "zb-h1"):
+        raise ValueError(
+            f"uneven stages give each rank one stage; {schedule_name(schedule, chunks)} holds 2 or more chunks a "
+            "rank: use --schedule 1f1b or zb-h1, or leave out --stage-layers"
+        )
     if pp > 1 and bubble_ratio(schedule, pp, m, chunks, schedule_costs(recompute)) is None:
         raise ValueError(
             f"{schedule_name(schedule, chunks)} has no closed-form bubble with {recompute} recompute (B = "
@@ -218,9 +248,8 @@ def _check_schedule(model: Model, layout: Layout, m: int) -> None:
     pp, dp, schedule, chunks, micro_batch = layout.pp, layout.dp, layout.schedule, layout.chunks, layout.micro_batch
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
-    if chunks > 1 and schedule in ("zb-v", "dualpipev"):
-        raise ValueError(f"{schedule_name(schedule)} fixes 2 chunks per rank in a V: leave chunks out")
-    if chunks > 1 and schedule != "interleaved":
+    check_v_chunks(schedule, chunks)
+    if chunks > 1 and schedule not in ("interleaved", *V_SHAPED):
         raise ValueError(f"{chunks} chunks per rank need the interleaved schedule, not {schedule}")
     if pp == 1:
         if schedule != "1f1b":

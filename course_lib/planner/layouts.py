@@ -61,7 +61,7 @@ class Candidate:
     hardware_tflops_per_gpu: float = 0.0
     mfu: float = 0.0  # model FLOPs utilization: model FLOP/s per GPU over the profile's dense peak
     hfu: float = 0.0  # hardware FLOPs utilization, the same with the recomputed forward counted
-
+    stage_layers: tuple[int, ...] = ()  # the layers of each pipeline stage (:func:`stage_splits`); (): even
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Plan(Candidate):
         """The chosen layout, as :func:`course_lib.planner.evaluate.evaluate` takes one."""
         return Layout(
             self.tp, self.pp, self.dp, self.zero, self.microbatches, self.cp, self.ep, self.schedule, self.chunks,
-            self.sp, self.recompute, self.attention, self.micro_batch,
+            self.sp, self.recompute, self.attention, self.micro_batch, self.stage_layers,
         )  # fmt: skip
 
 
@@ -111,7 +111,6 @@ def schedule_name(schedule: str, chunks: int = 1) -> str:
     return names.get(schedule, f"interleaved v={chunks}")
 
 
-
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, smallest first: those up to its square root, then their cofactors (so a cluster of
     ten million GPUs takes milliseconds, not seconds)."""
@@ -127,6 +126,38 @@ def splits_layers(layers: int, pp: int) -> bool:
     16 stages so, the first and last one layer short as they also hold the embedding and the output head
     (Grattafiori et al. 2024, §3.3.2); DeepSeek-V3 trains its 61 layers on 16 stages (§3.2), three short."""
     return pp <= layers and pp * math.ceil(layers / pp) - layers <= SHORT_STAGES
+
+
+def even_counts(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` counts as even as they go, the longer ones first."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def stage_splits(layers: int, pp: int, schedule: str = "1f1b") -> list[tuple[int, ...]]:
+    """The layers of each stage the planner tries for a pipeline of ``pp`` stages running ``schedule``: the even
+    split first, then the balanced one where it differs.
+
+    Even: () when ``pp`` divides the layers (Megatron-LM's default), else ceil(L/p) a stage with the last ones a
+    layer short (:func:`splits_layers`), counted stage by stage. Balanced: the embedding and the output head each
+    take a layer's place, L + 2 slots split as evenly, the first and last stage a layer short for them (BLOOM-176B's
+    ``type:transformer|embedding``, 70 layers on 12 stages as 5, 6, ..., 6, 5; Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``; Llama 3's 126 layers
+    on 16 stages as 7, 8, ..., 8, 7, Grattafiori et al. 2024, §3.3.2), kept if every stage has a layer. Only for
+    schedules of one chunk a rank (1F1B, ZB-H1): interleaved and V schedules keep the even split, () (their
+    chunks' layers averaged, as Megatron-LM's estimator does)."""
+    if pp == 1 or schedule not in ("1f1b", "zb-h1"):
+        return [()]
+    even = even_counts(layers, pp)
+    balanced = even_counts(layers + 2, pp)
+    balanced[0], balanced[-1] = balanced[0] - 1, balanced[-1] - 1
+    splits = [() if layers % pp == 0 else tuple(even)]
+    return splits + [tuple(balanced)] * (min(balanced) >= 1 and balanced != even)
+
+
+def split_text(counts: tuple[int, ...]) -> str:
+    """A stage split in a few characters: ``7,8,...,8,7`` (all of them up to 6 stages)."""
+    shown = [*counts[:2], "...", *counts[-2:]] if len(counts) > 6 else counts
+    return ",".join(map(str, shown))
 
 
 def tree_shape(model: Model, gpus: int, gpus_per_node: int, gpu_mem: float, precision: str, no_mp: bool) -> str:
@@ -161,9 +192,7 @@ def cp_degrees(model: Model, ranks: int) -> list[int]:
     chunks r and 2cp-1-r, which balances the causal mask's work; Llama 3 §3.3.2), each rank keeping at least
     ``MIN_CP_TOKENS``: CP is for long sequences; shorter blocks leave the attention kernel too little work to hide
     the ring behind (:func:`~course_lib.planner.cost.cp_comm_exposed`)."""
-    return [
-        cp for cp in divisors(ranks) if cp == 1 or (model.seq % (2 * cp) == 0 and model.seq // cp >= MIN_CP_TOKENS)
-    ]
+    return [cp for cp in divisors(ranks) if cp == 1 or (model.seq % (2 * cp) == 0 and model.seq // cp >= MIN_CP_TOKENS)]
 
 
 def ep_degrees(model: Model, ranks: int) -> list[int]:

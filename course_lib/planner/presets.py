@@ -53,9 +53,21 @@ class Experts:
                 f"experts; choose an ep that divides {self.routed}"
             )
 
+    def pattern(self, layers: int) -> tuple[bool, ...]:
+        """Which of ``layers`` layers are MoE layers, first to last: all but the first ``dense_layers`` (the
+        per-layer pattern of :func:`course_lib.model.formulas.memory_formula`, Megatron-core's ``moe_layer_freq``
+        as a list)."""
+        return (False,) * self.dense_layers + (True,) * (layers - self.dense_layers)
+
     def routed_params(self, layers: int, hidden: int) -> int:
         """Parameters of the routed experts of a ``layers``-layer model, the ones expert parallelism shards."""
-        return (layers - self.dense_layers) * self.routed * swiglu_params(hidden, self.ffn)
+        return sum(self.pattern(layers)) * self.routed * swiglu_params(hidden, self.ffn)
+
+    def dense_mlp(self, hidden: int, dense_ffn: int, swiglu: bool = True) -> int:
+        """Parameters a dense layer's MLP (``dense_ffn`` wide) holds beyond what an MoE layer holds outside its
+        routed experts, its shared experts and router (:func:`moe_params`)."""
+        mlp = swiglu_params(hidden, dense_ffn) if swiglu else 2 * hidden * dense_ffn
+        return mlp - self.shared * swiglu_params(hidden, self.ffn) - self.routed * hidden
 
     @property
     def token_ffn(self) -> int:
@@ -90,7 +102,12 @@ class Model:
 
     @property
     def moe_layers(self) -> int:
-        return self.layers - self.experts.dense_layers if self.experts else 0
+        return sum(self.moe_pattern)
+
+    @property
+    def moe_pattern(self) -> tuple[bool, ...]:
+        """Which layers are MoE layers (:meth:`Experts.pattern`); empty without experts."""
+        return self.experts.pattern(self.layers) if self.experts else ()
 
     @property
     def expert_params(self) -> float:
@@ -125,6 +142,10 @@ class Model:
             "swiglu": self.swiglu,
             "norm": self.norm,
             "largest_layer": self.largest_layer,
+            "moe_pattern": self.moe_pattern,
+            "dense_mlp": self.experts.dense_mlp(self.hidden, self.ffn or 4 * self.hidden, self.swiglu)
+            if self.experts
+            else 0.0,
         }
 
 
@@ -170,8 +191,8 @@ def moe_params(
     visited = (experts.top_k if active else experts.routed) + experts.shared
     moe_layer = attention + visited * expert + experts.routed * hidden + 2 * hidden
     dense_layer = attention + swiglu_params(hidden, dense_ffn) + 2 * hidden
-    moe = layers - experts.dense_layers
-    return moe * moe_layer + experts.dense_layers * dense_layer + 2 * vocab * hidden + hidden
+    moe = sum(experts.pattern(layers))
+    return moe * moe_layer + (layers - moe) * dense_layer + 2 * vocab * hidden + hidden
 
 
 _LLAMA3 = "Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; 8192-token pretraining sequences"
@@ -341,7 +362,6 @@ def make_model(
     seq = seq or DEFAULT_SEQ
     params = params if params is not None else params_from_dims(layers, hidden, vocab, seq)
     return Model(f"custom-{params / 1e9:.3g}b", params, layers, hidden, heads, seq, vocab=vocab)
-
 
 
 def as_model(model: Model | str | float) -> Model:

@@ -26,7 +26,9 @@ from course_lib.planner.layouts import (
     in_shape,
     pipeline_schedules,
     schedule_name,
+    split_text,
     splits_heads,
+    stage_splits,
     v_schedules,
 )
 from course_lib.planner.presets import Model
@@ -71,8 +73,7 @@ def explain(
 def _cp_reason(p: Plan, without_cp: list[Candidate]) -> str:
     """Why context parallelism: nothing fits without it, or no layout without it splits the batch."""
     why = (
-        f"the smallest such layout, {describe(without_cp[0])}, needs "
-        f"{format_bytes(without_cp[0].memory_per_gpu_bytes)}"
+        f"the smallest such layout, {describe(without_cp[0])}, needs {format_bytes(without_cp[0].memory_per_gpu_bytes)}"
         if without_cp
         else f"no layout without it splits {p.global_batch} sequences of {p.micro_batch} per DP rank over {p.gpus} "
         f"GPUs (at most TP {p.gpus_per_node} x PP x DP = {p.gpus_per_node * p.global_batch // p.micro_batch}, "
@@ -240,15 +241,42 @@ def _pipeline_reason(p: Plan) -> str:
             for c in rest[:4]
         )
         text += "."
-    text += _beyond_search_reason(p)
-    short = p.pp * math.ceil(p.model.layers / p.pp) - p.model.layers
-    if short:
-        text += (
-            f" {p.model.layers} layers do not split evenly into {p.pp} stages: {short} of them "
-            f"{'(first, last) ' if short <= 2 else ''}get one layer fewer, as in Llama 3; memory counts "
-            f"{p.model.layers}/{p.pp} layers a stage and the embedding on the busiest, as the memory command does."
+    return text + _beyond_search_reason(p) + _split_reason(p)
+
+
+def _split_reason(p: Plan) -> str:
+    """How the layers split into the stages: the even split, or (when the search took it,
+    :func:`~course_lib.planner.evaluate.evaluate_splits`) the one that counts the embedding and the head as layers,
+    with the memory and time it saves against the even split, evaluated here."""
+    layers, even = p.model.layers, stage_splits(p.model.layers, p.pp, p.schedule)[0]
+    if p.stage_layers and p.stage_layers != even:
+        args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
+        other = evaluate(p.model, p.layout._replace(stage_layers=even), *args)
+        faster = (
+            f", and the step takes {p.step_time_s:.3g} s instead of {other.step_time_s:.3g} s"
+            if p.step_time_s < other.step_time_s
+            else ""
         )
-    return text
+        return (
+            f" Stages {split_text(p.stage_layers)}: the embedding and the head take a layer's place on the first and "
+            f"last stage (as BLOOM and Llama 3 split theirs), so the busiest stage ({p.memory['stage']}) holds "
+            f"{format_bytes(p.memory_per_gpu_bytes)} instead of {format_bytes(other.memory_per_gpu_bytes)} with "
+            f"{split_text(even) if even else f'{layers // p.pp} layers a stage'}"
+            + ("" if other.fits else ", which does not fit")
+            + f"{faster}."
+        )
+    if not layers % p.pp:
+        return ""
+    if p.stage_layers:
+        return (
+            f" {layers} layers do not split evenly into {p.pp} stages: {split_text(p.stage_layers)}, the last "
+            f"{p.pp * math.ceil(layers / p.pp) - layers} a layer short; memory counts each stage's own layers, as "
+            "`memory --stage-layers` does."
+        )
+    return (
+        f" {layers} layers do not split evenly into {p.pp} stages of {schedule_name(p.schedule, p.chunks)}'s chunks: "
+        f"memory counts {layers}/{p.pp} layers a stage and the embedding on the busiest, as the memory command does."
+    )
 
 
 def beyond_search(p: Plan) -> list[Candidate]:
@@ -259,7 +287,7 @@ def beyond_search(p: Plan) -> list[Candidate]:
     args = (p.gpus, p.network, p.gpu_mem_bytes, p.global_batch, p.precision)
     ranked = pipeline_schedules(p.model.layers, p.pp, p.microbatches, bool(p.model.experts))
     return [
-        evaluate(p.model, p.layout._replace(schedule=s, chunks=1), *args)
+        evaluate(p.model, p.layout._replace(schedule=s, chunks=1, stage_layers=()), *args)
         for s in v_schedules(p.model.layers, p.pp, p.microbatches)
         if (s, 1) not in ranked and bubble_ratio(s, p.pp, p.microbatches, 1, schedule_costs(p.recompute)) is not None
     ]
@@ -328,8 +356,10 @@ def _alternative_reasons(p: Plan) -> list[str]:
     if p.model.published and published_gpus(p.model.published) == p.gpus:
         published = published_candidate(p)
         out.append(_published_reason(p, published))
-        if published is not None and published.fits and p.step_time_s < published.step_time_s <= p.step_time_s * (
-            1 + CLOSE
+        if (
+            published is not None
+            and published.fits
+            and p.step_time_s < published.step_time_s <= p.step_time_s * (1 + CLOSE)
         ):
             out.append(_preference_reason(p, published))
     return out
@@ -443,4 +473,3 @@ def describe_published(published: dict[str, int]) -> str:
         ),
         "zero" in published,
     )
-

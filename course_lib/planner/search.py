@@ -21,7 +21,7 @@ from __future__ import annotations
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import get_profile
 from course_lib.cluster.topology import Topology
-from course_lib.planner.evaluate import check_settings, evaluate, network
+from course_lib.planner.evaluate import check_settings, evaluate_splits, network
 from course_lib.planner.layouts import CLOSE, Candidate, Plan, describe, in_shape, layouts, tree_shape
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model, as_model
 from course_lib.planner.reasons import explain, format_bytes
@@ -94,7 +94,9 @@ def _tries(
         shapes = layouts(model, gpus, net.domain, batch, micro_batch, no_mp, context)
         for recompute in ("none", "selective") if shapes else ():
             args = (gpus, net, gpu_mem, batch, precision)
-            tries.append(_rank([evaluate(model, layout._replace(recompute=recompute), *args) for layout in shapes]))
+            tries.append(
+                _rank([evaluate_splits(model, layout._replace(recompute=recompute), *args) for layout in shapes])
+            )
             if tries[-1][0].fits:
                 return tries, (tries[-3] if len(tries) > 2 else []) if context else None
     if not tries:

@@ -14,7 +14,7 @@ from course_lib.model.config import BYTES_PER_PARAM, Layout
 from course_lib.model.formulas import interleaved_activation_factor, model_state_formula
 from course_lib.parallel.schedules import bubble_ratio
 from course_lib.planner.cost import PEAK, hardware_flops_per_token, schedule_costs
-from course_lib.planner.evaluate import evaluate
+from course_lib.planner.evaluate import evaluate, evaluate_splits
 from course_lib.planner.layouts import (
     CLOSE,
     LAYOUT_AXES,
@@ -430,8 +430,9 @@ def _published_reason(p: Plan, c: Candidate | None) -> str:
 def published_candidate(p: Plan) -> Candidate | None:
     """The published layout (:attr:`Model.published`) evaluated as the planner evaluates its own, on the plan's
     GPUs and batch: at its ZeRO stage where the source states one, else the lowest that fits; without recompute
-    if that fits, else selective; with the fastest schedule that fits (:func:`pipeline_schedules`). None if its
-    axes do not split the batch."""
+    if that fits, else selective; with the fastest schedule that fits (:func:`pipeline_schedules`) and the stage
+    split the planner would give it (:func:`course_lib.planner.evaluate.evaluate_splits`). None if its axes do not
+    split the batch."""
     pub = {axis: p.model.published.get(axis, 1) for axis in LAYOUT_AXES}
     m, rest = divmod(p.global_batch, pub["dp"] * p.micro_batch)
     if rest or m < pub["pp"]:
@@ -444,7 +445,7 @@ def published_candidate(p: Plan) -> Candidate | None:
         for zero in zeros:
             sizes = (pub["tp"], pub["pp"], pub["dp"], zero, m, pub["cp"], pub["ep"])
             settings = {"sp": pub["tp"] > 1, "recompute": recompute, "micro_batch": p.micro_batch}
-            tried = [evaluate(p.model, Layout(*sizes, *s, **settings), *args) for s in schedules]
+            tried = [evaluate_splits(p.model, Layout(*sizes, *s, **settings), *args) for s in schedules]
             fitting = [c for c in tried if c.fits]
             if fitting:
                 return min(fitting, key=lambda c: c.step_time_s)

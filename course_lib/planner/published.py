@@ -1,6 +1,6 @@
 """Published training throughput, row by row, beside the planner's estimate of it.
 
-Twenty-eight runs whose layout, batch and recompute are all known, the check on
+Thirty-seven runs whose layout, batch and recompute are all known, the check on
 :func:`course_lib.planner.cost.step_time`:
 
 * Narayanan et al. 2021 (SC21), "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -18,9 +18,11 @@ Twenty-eight runs whose layout, batch and recompute are all known, the check on
   (6 N s + 12 L d s^2) FLOPs a sequence, attention not halved for the causal mask, against 989 TFLOP/s; its "Model
   TFLOP" column is that rate per GPU. Four of the six miss by more than 15%; each row's ``explained`` says why.
 * torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (2024-12): Llama 3.1 8B FSDP on 8 and 128 H100s
-  (BF16), 70B FSDP x TP and 405B 3D with 1F1B and interleaved 1F1B (Float8), on H100s held to 500 W whose peak the
-  source does not know (profile ``h100-500w``); tokens/s per GPU in torchtitan's count (:func:`torchtitan_flops`).
-  All five miss by more than 15%, explained with computed facts (:func:`facts`).
+  (BF16), 70B FSDP x TP with and without async TP, 405B 3D with 1F1B and interleaved 1F1B, and FSDP x CP at a fixed
+  GPU count with the sequence from 32K to 256K tokens, 8B on 8 GPUs and 405B with TP 8 x PP 8 on 512 (Float8 and
+  torch.compile), on H100s held to 500 W whose peak the source does not know (profile ``h100-500w``); tokens/s per
+  GPU in torchtitan's count (:func:`torchtitan_flops`). All fourteen miss by more than 15%, explained with computed
+  facts (:func:`facts`); async TP is not modeled (``PublishedRow.async_tp``), its row says what it could hide.
 * Megatron-Bridge, ``docs/performance-summary.md`` (25.11 and 25.09 containers, DGX-H100, FP8 with current
   scaling): Llama 3 8B, 70B and 405B, and DeepSeek-V3 with EP 64; Model TFLOP/s in Megatron's count
   (:func:`megatron_flops`), the linears at the FP8 peak (``h100+fp8``). DeepSeek-V3 misses, explained.
@@ -37,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from course_lib.cluster.profiles import NVL_BF16_PEAK, get_profile
 from course_lib.model.config import Layout
-from course_lib.planner.cost import attention_flops_per_token
+from course_lib.planner.cost import attention_flops_per_token, stage_counts
 from course_lib.planner.evaluate import evaluate_layout
 from course_lib.planner.layouts import Candidate
 from course_lib.planner.published_rows import (
@@ -180,34 +182,70 @@ def _recomputed_by_op_policy(row: PublishedRow) -> float:
     return 2 * (m.hidden * kv + m.hidden * m.hidden + m.hidden * m.ffn) / (6 * seven)
 
 
-def _ratio_at_slower_compute(e: Estimate, factor: float) -> float:
-    """The estimate's ratio had its compute run ``factor`` times slower: the compute and the bubble's share of it
-    (the bubble is its ratio times the compute and the TP, CP and EP traffic, :func:`cost.step_time`)."""
+def _bubble_share(e: Estimate) -> float:
+    """The bubble over the work it scales with: the compute and the TP, CP and EP traffic (:func:`cost.step_time`)."""
     t = e.candidate.time
-    bubble_ratio = t["bubble_s"] / sum(t[k] for k in ("compute_s", "tp_comm_s", "cp_comm_exposed_s", "ep_comm_s"))
-    step = e.candidate.step_time_s + (factor - 1) * t["compute_s"] * (1 + bubble_ratio)
+    return t["bubble_s"] / sum(t[k] for k in ("compute_s", "tp_comm_s", "cp_comm_exposed_s", "ep_comm_s"))
+
+
+def _ratio_at_slower_compute(e: Estimate, factor: float) -> float:
+    """The estimate's ratio had its compute run ``factor`` times slower: the compute and the bubble's share of it."""
+    step = e.candidate.step_time_s + (factor - 1) * e.candidate.time["compute_s"] * (1 + _bubble_share(e))
     return e.ratio * e.candidate.step_time_s / step
+
+
+def _attention_seconds(e: Estimate) -> float:
+    """The attention scores' share of the estimated compute, in seconds: what :func:`cost.layer_seconds` times at
+    the kernel's efficiency, over the busiest stage's layers and the microbatches."""
+    m, c, profile = e.row.model, e.candidate, get_profile(e.row.hardware)
+    tokens = e.row.micro_batch * m.seq / c.cp / c.tp
+    flops = attention_flops_per_token(m, c.attention) / m.layers * tokens * (1 + (c.recompute != "none") / 3)
+    per_layer = flops / (profile.peak_flops["bf16"] * profile.attention_efficiency)
+    return per_layer * max(stage_counts(m, c)) * c.microbatches
+
+
+def _implied_attention_efficiency(e: Estimate, nvl_factor: float) -> float:
+    """The attention efficiency at which the estimate, its compute at the H100 NVL's peak, takes the published
+    step: the gap left there (published step - estimated) added to the attention's time (with its bubble)."""
+    step = e.candidate.step_time_s
+    share = 1 + _bubble_share(e)
+    at_nvl = step + (nvl_factor - 1) * e.candidate.time["compute_s"] * share
+    attention = nvl_factor * _attention_seconds(e)
+    gap = e.ratio * step - at_nvl  # the published step is the estimated one x the ratio
+    return get_profile(e.row.hardware).attention_efficiency * attention / (attention + gap / share)
 
 
 def facts(e: Estimate) -> dict[str, float]:
     """What a row's explanation quotes, computed: the ratio; the ratio had the compute run at the H100 NVL's BF16
     peak, the lower bound of torchtitan's capped H100 (``nvl``); the extra matmul FLOPs of torchtitan's op-level
     checkpointing (``sac``); torch.compile's measured speed-up where printed (``compiled``); the ratio left once
-    the three are counted (``left``); the exposed TP and EP traffic in seconds (``tp_s``, ``ep_s``); the
-    multi-token-prediction layer's share of Megatron's count (``mtp``) and the ratio with its compute in the step
-    (``with_mtp``)."""
+    the three are counted (``left``); the exposed TP and EP traffic in seconds (``tp_s``, ``ep_s``), TP's share of
+    the step (``tp_share``) and the ratio with it hidden (``no_tp``); async TP's measured speed-up where the table
+    prints the run without it (``async_gain``) and the seconds it took off the published step (``async_s``); the
+    attention's share of the estimated compute (``attn``), the profile's attention efficiency (``attn_eff``) and the
+    one that would close the gap left at the NVL's peak (``implied``); the multi-token-prediction layer's share of
+    Megatron's count (``mtp``) and the ratio with its compute in the step (``with_mtp``)."""
     printed = dict(e.row.printed)
-    peak = get_profile(e.row.hardware).peak_flops["bf16"]
-    nvl = _ratio_at_slower_compute(e, peak / NVL_BF16_PEAK)
+    profile = get_profile(e.row.hardware)
+    t, step = e.candidate.time, e.candidate.step_time_s
+    nvl = _ratio_at_slower_compute(e, profile.peak_flops["bf16"] / NVL_BF16_PEAK)
     sac = _recomputed_by_op_policy(e.row) if e.row.convention == "torchtitan" else 0.0
-    compiled = printed.get("compiled_tokens_per_s_per_gpu", 0) / printed.get("tokens_per_s_per_gpu", 1)
+    tokens = printed.get("tokens_per_s_per_gpu", 1)
+    compiled = printed.get("compiled_tokens_per_s_per_gpu", 0) / tokens
     with_sac = _ratio_at_slower_compute(e, 1 + sac)
     left = e.ratio / ((e.ratio / with_sac) * (e.ratio / nvl) * max(compiled, 1.0))
     mtp = 1 - megatron_flops(replace(e.row, mtp_layers=0)) / megatron_flops(e.row) if e.row.mtp_layers else 0.0
+    without = printed.get("without_async_tp_tokens_per_s_per_gpu", 0)
+    per_gpu = e.row.tokens_per_batch / e.row.gpus
     return {
         "ratio": e.ratio, "nvl": nvl, "sac": sac, "compiled": compiled, "left": left,
-        "tp_s": e.candidate.time["tp_comm_s"], "ep_s": e.candidate.time["ep_comm_s"], "mtp": mtp,
-        "with_mtp": _ratio_at_slower_compute(e, 1 / (1 - mtp)),
+        "tp_s": t["tp_comm_s"], "ep_s": t["ep_comm_s"], "tp_share": t["tp_comm_s"] / step,
+        "no_tp": e.ratio * step / (step - t["tp_comm_s"] * (1 + _bubble_share(e))),
+        "async_gain": tokens / without if without else 0.0,
+        "async_s": per_gpu / without - per_gpu / tokens if without else 0.0,
+        "attn": _attention_seconds(e) / t["compute_s"], "attn_eff": profile.attention_efficiency,
+        "implied": _implied_attention_efficiency(e, profile.peak_flops["bf16"] / NVL_BF16_PEAK),
+        "mtp": mtp, "with_mtp": _ratio_at_slower_compute(e, 1 / (1 - mtp)),
     }  # fmt: skip
 
 

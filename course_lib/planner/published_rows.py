@@ -39,7 +39,8 @@ class PublishedRow:
     "megatron", Megatron-Bridge's count, with ``mla`` and ``mtp_layers`` where the model has them). ``printed``
     holds the numbers as the source prints them where a field here differs or is derived; ``explained``, for a row
     whose estimate misses by more than 15%, why (its ``{fields}`` filled in by
-    :func:`course_lib.planner.published.facts`)."""
+    :func:`course_lib.planner.published.facts`); ``async_tp``, a run that overlapped TP's collectives with its
+    matmuls (torchtitan's async TP), which the planner does not model."""
 
     source: str
     row: str
@@ -68,6 +69,7 @@ class PublishedRow:
     explained: str = ""
     mla: tuple[int, ...] = ()  # multi-head latent attention: head dim, RoPE dim, V head dim, q rank, kv rank
     mtp_layers: int = 0  # multi-token-prediction layers the source's FLOP count includes
+    async_tp: bool = False  # TP's collectives overlapped with the matmuls (torchtitan's async TP): not modeled
 
     @property
     def label(self) -> str:
@@ -294,16 +296,25 @@ def torchtitan_flops_per_token(model: Model) -> float:
 _TT = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (2024-12)"
 _TT_RUN = (
     "Llama 3.1 on Grand Teton H100s at 500 W (profile h100-500w); FSDP2 over the DP ranks (ZeRO-3; with PP it keeps "
-    "the gathered weights through a step's microbatches, torchtitan's reshard_after_forward=False, same bytes); "
-    "8,192-token sequences (the seq_len of torchtitan's train_configs at commit 9dec370, the one the file names: "
+    "the gathered weights through a step's microbatches, torchtitan's reshard_after_forward=False, same bytes)"
+)
+_TT_8K = (
+    "; 8,192-token sequences (the seq_len of torchtitan's train_configs at commit 9dec370, the one the file names: "
     "the table states none; the 8B rows' 33-39% MFU of footnote 2 confirms it); BF16 mixed precision"
+)
+_TT_CP = (
+    "; sequences as the table prints them, split over the CP ranks by torchtitan's context parallelism (PyTorch's "
+    "context-parallel attention, K/V all-gathered, torchtitan's default rotate method; the causal blocks balanced "
+    "over the ranks as the planner's CP model takes them, PyTorch's enable_load_balance default, not checked at "
+    "torch 1963fc8); FSDP sharded over FSDP x CP; BF16 mixed precision"
 )
 _TT_FP8 = (
     "; torch.compile and Float8 linears (torchao, dynamic scaling; output head in BF16), as the table's title says"
 )
+_TT_ASYNC = "; async TP, which the planner does not model: its TP traffic is timed exposed"
 _TT_PP = (
-    "; microbatches: torchtitan's default, as many as the PP degree (8 of 4 sequences; local batch 32), and the "
-    "interleaved schedule's default 2 stages per rank"
+    "; microbatches: torchtitan's default, as many as the PP degree ({m} of {b} sequences; local batch {local})"
+    "{schedule}"
 )
 _TT_EAGER = (
     "eager PyTorch, op-level selective checkpointing and the 500 W cap, none of which the planner counts: the "
@@ -318,27 +329,76 @@ _TT_CAP = (
 )
 
 
+_TT_HIDES = (
+    "; async TP, which the run used, would hide the {tp_s:.1f} s of TP traffic the estimate exposes, widening the gap"
+)
+_TT_ASYNC_ROW = (
+    "; async TP, which the planner does not model (the estimate is the row's without it): hidden in full behind the "
+    "matmuls, the {tp_s:.1f} s of TP traffic the estimate exposes ({tp_share:.0%} of its step) would make it "
+    "{no_tp:.2f}x; the table measures async TP {async_gain:.2f}x faster than the same run without it, "
+    "{async_s:.2f} s off the published step"
+)
+
+
+def _tt_long(cp: int) -> str:
+    """Why a long-sequence row misses: attention's share of the estimated compute, how the planner times it and, with
+    CP, how PyTorch's context parallelism runs it; the attention efficiency that would close the gap."""
+    how = (
+        f", where PyTorch's context parallelism runs it K/V shard by shard, {cp} kernel calls a layer forward merged "
+        "by their log-sum-exp (not measured)"
+        if cp > 1
+        else ""
+    )
+    return (
+        "; attention is {attn:.0%} of the estimated compute at this length, timed as one FlashAttention kernel at the "
+        "profile's {attn_eff:.0%} of the BF16 peak with the causal mask's blocks skipped" + how + ": had attention "
+        "alone absorbed the gap left at the NVL's peak, it would sustain {implied:.0%}"
+    )
+
+
 def _torchtitan_row(
     row: str, model: Model, gpus: int, tp: int, pp: int, local: int, micro: int, tokens: int, recompute: str,
-    fp8: bool, explained: str, schedule: str = "1f1b", chunks: int = 1, compiled: int = 0,
+    fp8: bool, explained: str, schedule: str = "1f1b", chunks: int = 1, compiled: int = 0, cp: int = 1,
+    async_tp: bool = False, without_async_tp: int = 0,
 ) -> PublishedRow:  # fmt: skip
     """A torchtitan row: tokens/s per GPU as printed, its TFLOP/s in torchtitan's count
-    (:func:`course_lib.planner.published.torchtitan_flops`)."""
-    dp = gpus // (tp * pp)
+    (:func:`course_lib.planner.published.torchtitan_flops`); ``without_async_tp``, the tokens/s per GPU the table
+    prints for the same run without async TP."""
+    dp = gpus // (tp * pp * cp)
     model = replace(model, global_batch=dp * local)
     flops = torchtitan_flops_per_token(model)
     printed = (("tokens_per_s_per_gpu", tokens), ("local_batch", local))
+    printed += (("compiled_tokens_per_s_per_gpu", compiled),) if compiled else ()
+    printed += (("without_async_tp_tokens_per_s_per_gpu", without_async_tp),) if without_async_tp else ()
+    named = ", and the interleaved schedule's default 2 stages per rank" if schedule == "interleaved" else ""
+    run = (
+        _TT_RUN + (_TT_8K if model.seq == 8192 else _TT_CP) + (_TT_FP8 if fp8 else "") + (_TT_ASYNC if async_tp else "")
+    )
+    run += _TT_PP.format(m=pp, b=local // pp, local=local, schedule=named) if pp > 1 else ""
     return PublishedRow(
-        _TT, row, model, gpus, tp=tp, pp=pp, dp=dp, micro_batch=micro, global_batch=dp * local,
+        _TT, row, model, gpus, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, global_batch=dp * local,
         tflops_per_gpu=tokens * flops / 1e12, peak_fraction=tokens * flops / 989e12, convention="torchtitan",
         hardware="h100-500w+fp8" if fp8 else "h100-500w", precision="bf16", recompute=recompute, attention="flash",
-        sp=tp > 1, zero=3, schedule=schedule, chunks=chunks,
-        printed=printed + ((("compiled_tokens_per_s_per_gpu", compiled),) if compiled else ()),
-        run=_TT_RUN + (_TT_FP8 if fp8 else "") + (_TT_PP if pp > 1 else ""), explained=explained,
+        sp=tp > 1, zero=3, schedule=schedule, chunks=chunks, printed=printed, run=run, explained=explained,
+        async_tp=async_tp,
     )  # fmt: skip
 
 
-# Table, parallelism, GPUs, TP, PP, local batch, micro-batch, TPS/GPU, activation checkpointing (Tables 1, 3-5).
+def _tt_cp_row(table: str, size: str, tp: int, pp: int, cp: int, local: int, tokens: int) -> PublishedRow:
+    """Table 2 (8B, 8 GPUs, FSDP x CP) or Table 6 (405B, 512 GPUs, FSDP x TP 8 x PP 8 x CP, async TP, 1F1B): the
+    sequence grows with CP, 32,768 tokens a CP rank; torch.compile, Float8, full activation checkpointing."""
+    gpus = 8 * tp * pp
+    seq = 32768 * cp
+    label = f"{table}, {size} FSDP {gpus // (tp * pp * cp)} x " + (f"TP {tp} x PP {pp} x " if pp > 1 else "")
+    return _torchtitan_row(
+        f"{label}CP {cp}, seq {seq:,}", replace(PRESETS[f"llama3-{size.lower()}"], seq=seq), gpus, tp, pp, local,
+        local // pp, tokens, "full", True, _TT_CAP + (_TT_HIDES if tp > 1 else "") + _tt_long(cp), cp=cp,
+        async_tp=tp > 1,
+    )  # fmt: skip
+
+
+# Table, parallelism, GPUs, TP, PP, local batch, micro-batch, TPS/GPU, activation checkpointing (Tables 1, 3-5);
+# Tables 2 and 6: CP, local batch, TPS/GPU.
 TORCHTITAN_2024 = (
     _torchtitan_row("Table 1, 8B FSDP on 8 GPUs", PRESETS["llama3-8b"], 8, 1, 1, 2, 2, 5762, "selective", False,
                     _TT_EAGER, compiled=6667),
@@ -346,12 +406,14 @@ TORCHTITAN_2024 = (
                     _TT_EAGER, compiled=6514),
     _torchtitan_row("Table 4, 70B FSDP 32 x TP 8 on 256 GPUs", PRESETS["llama3-70b"], 256, 8, 1, 16, 16, 829, "full",
                     True, _TT_CAP),
+    _torchtitan_row("Table 4, 70B FSDP 32 x TP 8 on 256 GPUs, async TP", PRESETS["llama3-70b"], 256, 8, 1, 16, 16,
+                    876, "full", True, _TT_CAP + _TT_ASYNC_ROW, async_tp=True, without_async_tp=829),
     _torchtitan_row("Table 5, 405B FSDP 8 x TP 8 x PP 8, 1F1B", PRESETS["llama3-405b"], 512, 8, 8, 32, 4, 100, "full",
-                    True, _TT_CAP + "; async TP, which the run used, would hide the {tp_s:.1f} s of TP traffic the "
-                    "estimate exposes, widening the gap"),
+                    True, _TT_CAP + _TT_HIDES, async_tp=True),
     _torchtitan_row("Table 5, 405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", PRESETS["llama3-405b"], 512, 8, 8, 32, 4,
-                    128, "full", True, _TT_CAP + "; async TP, which the run used, would hide the {tp_s:.1f} s of TP "
-                    "traffic the estimate exposes, widening the gap", schedule="interleaved", chunks=2),
+                    128, "full", True, _TT_CAP + _TT_HIDES, schedule="interleaved", chunks=2, async_tp=True),
+    *(_tt_cp_row("Table 2", "8B", 1, 1, cp, 1, tokens) for cp, tokens in ((1, 3890), (2, 2540), (4, 1071), (8, 548))),
+    *(_tt_cp_row("Table 6", "405B", 8, 8, cp, 8, tokens) for cp, tokens in ((1, 76), (2, 47), (4, 31), (8, 16))),
 )  # fmt: skip
 
 _MB = "Megatron-Bridge, docs/performance-summary.md"

@@ -225,7 +225,9 @@ def plot_published_vs_estimated(
     names: Sequence[str], published: Sequence[float], estimated: Sequence[float], title: str
 ) -> plt.Figure:
     """Per published run (``names``), its TFLOP/s per GPU beside the planner's estimate."""
-    fig, ax = plt.subplots(figsize=(max(9, 0.36 * len(names)), 4), layout="constrained")
+    # The slanted labels take height in proportion to the longest: the bars keep about 3 inches whatever they say.
+    height = 3 + 0.055 * max(map(len, names), default=0)
+    fig, ax = plt.subplots(figsize=(max(9, 0.36 * len(names)), height), layout="constrained")
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], published, 0.4, label="published")
     ax.bar([x + 0.2 for x in xs], estimated, 0.4, label="planner's estimate")

@@ -69,7 +69,7 @@ TABLE = [
     ("interval", "0.098", WRONG, "the optimum in hours"),
     ("interval", "1 min", WRONG, "the storage's shared 1 TB/s allows 61.0 MB/s each"),
     ("interval", "12.6 h", WRONG, "one GPU's MTBF, 16,384 times the job's"),
-    ("interval", "25.6 min", WRONG, "That writes 7.12 GB a GPU (its whole replica), but the checkpoint is 0.35 GB"),
+    ("interval", "24.8 min", WRONG, "That writes 6.67 GB a GPU (its whole replica), but the checkpoint is 0.35 GB"),
     ("interval", "2 days", WRONG, "from 2 days"),
     ("interval", "-5 min", WRONG, "a positive time, not -5 min"),
 ]

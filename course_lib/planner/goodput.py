@@ -343,9 +343,10 @@ def checkpoint_bytes_per_rank(
     laid out as ``layout`` (anything with ``tp``, ``pp``, ``dp``, ``zero``, ``cp``, ``ep``: a
     :class:`~course_lib.planner.layouts.Layout`, a planner's candidate or plan), from
     :func:`course_lib.model.formulas.model_state_formula`: the parameters and the optimizer states (for mixed precision
-    the fp32 master weights and both moments) that the busiest rank holds, i.e. its stage's share of the layers (the layout's ``stage_layers`` where it has
-    them; and, with a known vocabulary, one embedding matrix) over TP, the ZeRO stage's shard over the data-parallel ranks, whole
-    experts split by EP. Not gradients (recomputed by the next step) nor activations.
+    the fp32 master weights and both moments) that the busiest rank holds, i.e. its stage's share of the layers
+    (the layout's ``stage_layers`` where it has them; and, with a known vocabulary, one embedding matrix) over TP,
+    the ZeRO stage's shard over the data-parallel ranks, whole experts split by EP. Not gradients (recomputed by the
+    next step) nor activations.
 
     ``deduplicate``: what the rank writes when each replicated tensor is written by only one of its replicas and
     the writes are spread evenly (``torch.distributed.checkpoint`` deduplicates replicas; Megatron's fully

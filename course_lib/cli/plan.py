@@ -20,8 +20,9 @@ from course_lib.cli.common import (
 from course_lib.model.config import RECOMPUTE_MODES
 from course_lib.parallel.catalog import STAGE_LAYERS, layer_counts
 
-LAYOUT_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "stage_layers", "recompute", "attention")
-LAYOUT_FLAGS += ("no_sp",)
+LAYOUT_FLAGS = (
+    "tp", "pp", "dp", "cp", "ep", "zero", "schedule", "chunks", "stage_layers", "recompute", "attention", "no_sp",
+)  # fmt: skip
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

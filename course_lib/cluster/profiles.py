@@ -82,6 +82,7 @@ TIME_MODEL_ASSUMPTIONS = (
     "bubble is the schedule's idle over busy time times a stage's work, compute and its TP, CP and EP traffic.",
 )
 
+H100_SXM_PEAKS = {"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}  # dense (NVIDIA H100 datasheet, SXM5 column)
 NVL_BF16_PEAK = 835e12  # H100 NVL, BF16 dense (NVIDIA H100 datasheet, NVL column: 1,671 TFLOPS with sparsity)
 FP8 = "+fp8"  # a profile name's suffix: its linear layers in FP8 (get_profile)
 
@@ -89,7 +90,7 @@ PROFILES = {
     "h100": HardwareProfile(
         name="h100",
         description="DGX H100: 8x H100 SXM5 80 GB, NVLink 4 / NVSwitch, one 400 Gb/s NDR InfiniBand NIC per GPU",
-        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+        peak_flops=dict(H100_SXM_PEAKS),
         memory_bytes=80e9,
         gpus_per_node=8,
         intra_bandwidth=450e9,  # NVLink 4: 900 GB/s per GPU, both directions together
@@ -116,7 +117,7 @@ PROFILES = {
         name="h100-500w",
         description="Grand Teton: 8x H100 SXM 96 GB HBM2e at a 500 W power limit, NVLink, 400 Gb/s RDMA per GPU "
         "(torchtitan's Llama 3 benchmarks, 2024-12); peak taken as the SXM5's, an upper bound under the cap",
-        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+        peak_flops=dict(H100_SXM_PEAKS),
         memory_bytes=96e9,
         gpus_per_node=8,
         intra_bandwidth=450e9,  # NVLink 4 of an SXM H100: 900 GB/s per GPU, both directions together
@@ -138,7 +139,7 @@ PROFILES = {
         name="h800",
         description="8x H800 SXM5 80 GB (the H100's export variant: same compute, NVLink cut to 400 GB/s), one "
         "400 Gb/s InfiniBand NIC per GPU: DeepSeek-V3's cluster",
-        peak_flops={"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},  # the H100 SXM5's dense peaks: same die, clocks
+        peak_flops=dict(H100_SXM_PEAKS),  # the H100 SXM5's dense peaks: same die, clocks
         memory_bytes=80e9,
         gpus_per_node=8,
         intra_bandwidth=160e9,  # what DeepSeek-V3 reports achieving over NVLink, per GPU

@@ -316,8 +316,9 @@ def memory_formula(
         activations = stage_activations(
             layout, layers, seq, hidden, heads, vocab, ffn=ffn, kv_heads=kv_heads, swiglu=swiglu
         )
-    busiest = max(range(layout.pp), key=lambda i: sum(per_stage[i].values()) + activations[i])
-    busiest = busiest if stage is None else stage
+    busiest = (
+        stage if stage is not None else max(range(layout.pp), key=lambda i: sum(per_stage[i].values()) + activations[i])
+    )
     out = per_stage[busiest] | {"activations": activations[busiest], "stage": stage_name(busiest, layout.pp)}
     out["total"] = sum(out[k] for k in (*CATEGORIES, "activations"))
     return out

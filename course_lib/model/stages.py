@@ -9,6 +9,11 @@ from __future__ import annotations
 from course_lib.model.config import NORMS
 
 
+def even_counts(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` counts as even as they go, the longer ones first."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
 def stage_params(
     dense: float,
     pp: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from course_lib.model.stages import even_counts
 from course_lib.parallel.schedules import SPLIT_BACKWARD, chunks_per_rank
 from course_lib.parallel.schedules import validate as validate_schedule
 
@@ -94,8 +95,7 @@ def split_layers(layers: int, stages: int, counts: tuple[int, ...] = ()) -> list
             f"{stages} pipeline stages (ranks x chunks) for {layers} layers: every stage needs at least one layer. "
             f"Use at most {layers} stages or a deeper model."
         )
-    base, extra = divmod(layers, stages)
-    sizes = counts or [base + (s < extra) for s in range(stages)]
+    sizes = counts or even_counts(layers, stages)
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)

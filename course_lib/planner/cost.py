@@ -12,8 +12,9 @@ from functools import cache
 from course_lib.cluster.network import Network
 from course_lib.cluster.profiles import HardwareProfile
 from course_lib.model.config import BYTES_PER_PARAM, Layout
+from course_lib.model.stages import even_counts
 from course_lib.parallel.schedules import Costs, bubble_ratio, chunks_per_rank
-from course_lib.planner.layouts import Candidate, even_counts, groups
+from course_lib.planner.layouts import Candidate, groups
 from course_lib.planner.presets import Model
 
 PEAK = {"mixed": "bf16", "fp32": "fp32"}  # which peak of the hardware profile a precision computes at
@@ -132,7 +133,7 @@ def head_seconds(model: Model, c: Candidate, micro_batch: int, profile: Hardware
 
 def stage_counts(model: Model, c: Candidate) -> list[int]:
     """The layers of each pipeline stage: the candidate's ``stage_layers``, or as even as they go, ceil(L/p) with
-    the last stages a layer short (:func:`~course_lib.planner.layouts.even_counts`; Llama 3's last stage holds the
+    the last stages a layer short (:func:`~course_lib.model.stages.even_counts`; Llama 3's last stage holds the
     head instead of a layer, §3.3.2)."""
     return list(c.stage_layers) or even_counts(model.layers, c.pp)
 

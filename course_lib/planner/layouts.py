@@ -16,6 +16,7 @@ import numpy as np
 from course_lib.cluster.network import Network
 from course_lib.model.config import Layout
 from course_lib.model.formulas import model_state_formula
+from course_lib.model.stages import even_counts
 from course_lib.planner.presets import DEFAULT_GLOBAL_BATCH, Model
 
 CLOSE = 0.10  # the decision tree's shape is kept if no layout is estimated more than 10% faster
@@ -126,11 +127,6 @@ def splits_layers(layers: int, pp: int) -> bool:
     16 stages so, the first and last one layer short as they also hold the embedding and the output head
     (Grattafiori et al. 2024, §3.3.2); DeepSeek-V3 trains its 61 layers on 16 stages (§3.2), three short."""
     return pp <= layers and pp * math.ceil(layers / pp) - layers <= SHORT_STAGES
-
-
-def even_counts(n: int, parts: int) -> list[int]:
-    """``n`` split into ``parts`` counts as even as they go, the longer ones first."""
-    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def stage_splits(layers: int, pp: int, schedule: str = "1f1b") -> list[tuple[int, ...]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from course_lib.cluster.profiles import H100_SXM_PEAKS
 from course_lib.model.formulas import params_from_dims
 from course_lib.planner.presets import PRESETS, Model
 
@@ -28,6 +29,7 @@ _L3_RUN = (
     "microbatch; not published); no recompute (§3.3.2 at 8K, none stated at 128K); FlashAttention-style attention "
     "and sequence parallelism assumed"
 )
+_H100_PEAK = H100_SXM_PEAKS["bf16"]  # the dense BF16 peak the sources' MFU is taken against
 SEQ_N21, VOCAB_N21 = 2048, 51200  # Narayanan et al. 2021, §5.1
 
 
@@ -366,7 +368,7 @@ def _torchtitan_row(
     prints for the same run without async TP."""
     dp = gpus // (tp * pp * cp)
     model = replace(model, global_batch=dp * local)
-    flops = torchtitan_flops_per_token(model)
+    rate = tokens * torchtitan_flops_per_token(model)  # FLOP/s per GPU
     printed = (("tokens_per_s_per_gpu", tokens), ("local_batch", local))
     printed += (("compiled_tokens_per_s_per_gpu", compiled),) if compiled else ()
     printed += (("without_async_tp_tokens_per_s_per_gpu", without_async_tp),) if without_async_tp else ()
@@ -377,7 +379,7 @@ def _torchtitan_row(
     run += _TT_PP.format(m=pp, b=local // pp, local=local, schedule=named) if pp > 1 else ""
     return PublishedRow(
         _TT, row, model, gpus, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, global_batch=dp * local,
-        tflops_per_gpu=tokens * flops / 1e12, peak_fraction=tokens * flops / 989e12, convention="torchtitan",
+        tflops_per_gpu=rate / 1e12, peak_fraction=rate / _H100_PEAK, convention="torchtitan",
         hardware="h100-500w+fp8" if fp8 else "h100-500w", precision="bf16", recompute=recompute, attention="flash",
         sp=tp > 1, zero=3, schedule=schedule, chunks=chunks, printed=printed, run=run, explained=explained,
         async_tp=async_tp,
@@ -446,7 +448,7 @@ def _bridge_row(
         gpus,
         global_batch=batch,
         tflops_per_gpu=tflops,
-        peak_fraction=tflops / 989,
+        peak_fraction=tflops / (_H100_PEAK / 1e12),
         convention="megatron",
         hardware="h100+fp8",
         precision="fp8",
